@@ -1,0 +1,39 @@
+"""第 11 章 · 缓存：生成过程中要带着走的全部状态。
+
+自回归生成时，每一步只喂新 token，其余信息都在状态里：
+- 全注意力层：KV 缓存 AttentionState，k、v 沿长度维增长（第 6 章）；
+- DeltaNet 层：卷积窗口与记忆矩阵 S，大小固定，与上下文长度无关（第 7 章）；
+- pos：已经处理过多少个位置，决定新 token 的 RoPE 位置。
+
+0.8B 里 18 个 DeltaNet 层的状态一共 18 × 16 × 128 × 128 × 4 字节 ≈ 19 MB，
+6 个注意力层每个 token 只存 2 × 2 × 256 个数：这就是混合架构长上下文便宜的原因。
+
+批处理时各行长度不同，我们在左边补齐（左填充）：valid 标出哪些位置是真实 token，
+pad 是每行补了几个，用来让每行的 RoPE 位置从它自己的第一个真实 token 数起。
+"""
+
+import torch
+
+from .attention import AttentionState
+from .deltanet import DeltaNetState
+
+__all__ = ["State", "AttentionState", "DeltaNetState"]
+
+
+class State:
+    def __init__(self, model, valid: torch.Tensor | None = None):
+        """valid [B, T₀]（可选）：左填充的提示词里哪些位置是真实 token。"""
+        self.pos = 0
+        self.layers = [
+            AttentionState() if t == "full_attention" else DeltaNetState() for t in model.cfg.layer_types
+        ]
+        self.valid = None if valid is None else valid.bool()  # [B, 已见长度]
+        self.pad = None if valid is None else (~self.valid).sum(1)  # [B]：每行左边补了几个
+
+    def extend_valid(self, T: int) -> torch.Tensor:
+        """新来 T 个位置：提示词之外的新 token 都是真实的。返回覆盖 pos + T 个位置的 valid。"""
+        need = self.pos + T - self.valid.shape[1]
+        if need > 0:
+            ones = torch.ones(self.valid.shape[0], need, dtype=torch.bool, device=self.valid.device)
+            self.valid = torch.cat([self.valid, ones], dim=1)
+        return self.valid[:, : self.pos + T]

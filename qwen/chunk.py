@@ -1,0 +1,66 @@
+"""第 8 章 · 分块并行：把 DeltaNet 的递推改写成矩阵乘法。
+
+逐 token 递推在预填充时太慢：512 个 token 就是 512 步串行的小运算。
+分块形式把序列切成 64 个 token 一块，块内用几次矩阵乘法一口气算完，
+块与块之间才串行传递记忆 S。结果与递推完全相同（浮点误差以内），包括最终状态。
+
+推导（一个头，一块之内，S₀ 为块开始时的记忆；G_t = Σ_{s≤t} g_s 为块内累计对数衰减）：
+把递推展开，第 t 步真正写进 S 的向量 u_t = β_t (v_t − e^{G_t} S₀ᵀk_t − Σ_{j<t} e^{G_t−G_j}(k_tᵀk_j) u_j)。
+它依赖更早的 u_j，写成矩阵就是一个下三角方程组：
+
+    (I + A) U = βV − (βK ⊙ e^G) S₀,     A_tj = β_t e^{G_t−G_j} k_tᵀk_j  (j < t)
+
+解一次三角方程得到 U' = (I+A)⁻¹βV 与 W = (I+A)⁻¹(βK ⊙ e^G)，于是 U = U' − W S₀。然后
+
+    输出  O   = (Q ⊙ e^G) S₀ + ((QKᵀ) ⊙ Γ) U          Γ_tj = e^{G_t−G_j}（j ≤ t，否则 0）
+    新记忆 S_C = e^{G_C} S₀ + (K ⊙ e^{G_C−G})ᵀ U
+
+U'、W、(QKᵀ)⊙Γ 只依赖本块的输入，可以对所有块同时算；只有最后两行要按块顺序走。
+全部运算都可求导（附录的训练章用同一份代码）。
+"""
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: int = CHUNK):
+    """与 recurrent_gated_delta_rule 同签名：q、k [B, H, T, Dk]，v [B, H, T, Dv]，g、beta [B, H, T]，
+    S [B, H, Dk, Dv]，全部 float32。返回 (输出 [B, H, T, Dv], 最终 S, None)。
+
+    分块形式不记录每个位置之后的状态（keep_all 只在短的验证序列上用，那里走递推）。
+    """
+    if keep_all:
+        raise ValueError("分块形式不保存逐位置状态；逐位置状态请用递推形式")
+    B, H, T, Dk = k.shape
+    Dv = v.shape[-1]
+    pad = (-T) % chunk  # 末尾补到 64 的倍数：补的位置 β = 0、g = 0，不改变记忆
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    N = (T + pad) // chunk
+    q, k, v = (t.reshape(B, H, N, chunk, -1) for t in (q, k, v))  # [B, H, N, C, D]
+    g, beta = g.reshape(B, H, N, chunk), beta.reshape(B, H, N, chunk)  # [B, H, N, C]
+
+    G = g.cumsum(-1)  # 块内累计对数衰减
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()  # j ≤ t
+    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf"))  # 先遮再 exp，免得溢出
+    Gamma = diff.exp()  # [B, H, N, C, C]：Γ_tj = e^{G_t − G_j}
+    kb = k * beta[..., None]  # βK
+    A = (kb @ k.transpose(-1, -2)) * Gamma  # A_tj = β_t e^{G_t−G_j} k_tᵀk_j；对角线与上三角下面不用
+    I_A = A.tril(-1) + torch.eye(chunk, dtype=A.dtype, device=A.device)  # I + A（单位下三角）
+    U_ = torch.linalg.solve_triangular(I_A, v * beta[..., None], upper=False, unitriangular=True)  # (I+A)⁻¹βV
+    W = torch.linalg.solve_triangular(I_A, kb * G.exp()[..., None], upper=False, unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)) * Gamma  # [B, H, N, C, C]：块内注意力（含衰减）
+    q_decayed = q * G.exp()[..., None]  # Q ⊙ e^G：读块开始时的记忆
+    k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # K ⊙ e^{G_C − G}：写到块末
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]：e^{G_C}
+
+    outs = []
+    for n in range(N):  # 块之间串行
+        U = U_[:, :, n] - W[:, :, n] @ S  # [B, H, C, Dv]：本块真正写入的值
+        outs.append(q_decayed[:, :, n] @ S + QK[:, :, n] @ U)  # [B, H, C, Dv]
+        S = chunk_decay[:, :, n] * S + k_decayed[:, :, n].transpose(-1, -2) @ U
+    o = torch.cat(outs, dim=2)[:, :, :T]  # [B, H, T, Dv]：去掉补的位置
+    return o, S, None

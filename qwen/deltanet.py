@@ -1,0 +1,135 @@
+"""第 7 章 · Gated DeltaNet：用一个固定大小的矩阵记住全部历史。
+
+Qwen3.5 四层里有三层不是 softmax 注意力，而是“线性注意力”Gated DeltaNet。
+它不保存所有历史的 k、v，而是每个头维护一个 [128, 128] 的记忆矩阵 S，
+每来一个 token 就把 (k → v) 这对联想“写”进去：
+
+    S ← exp(g) · S                    先整体衰减（g ≤ 0，门控遗忘）
+    S ← S + k ⊗ β(v − Sᵀk)            delta 规则：只写入 S 还没预测对的那部分
+    o = Sᵀq                           用查询读出
+
+Sᵀk 是记忆对 k 的“预测”，v − Sᵀk 是误差，β ∈ (0, 1) 是写入强度（学习率）。
+所以 S 像一个在线做梯度下降的线性回归器。解码一个 token 的代价与上下文长度无关，
+状态大小也固定：这就是它比 KV 缓存省的地方。
+
+进入递推之前还有几步：in_proj_qkv 一次投影出 q、k、v；一个核宽 4 的因果深度卷积
+（每个通道只看自己最近 4 个输入）加 SiLU；q、k 做 L2 归一化，q 再乘 1/sqrt(128)；
+β = sigmoid(b)，g = −exp(A_log) · softplus(a + dt_bias)。输出经过门控 RMSNorm
+（门是 in_proj_z 的投影）再 out_proj。
+
+本章用逐 token 的递推（解码时用）；下一章把同样的计算改写成按 64 个 token 一块的并行形式
+（预填充时用）。两者的输出与最终状态相同。
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import GatedRMSNorm
+
+
+class DeltaNetState:
+    """一层 DeltaNet 的状态：卷积窗口与记忆矩阵。
+
+    conv: [B, 通道, 核宽 − 1]，最近 3 个 in_proj_qkv 输出（卷积要往回看 3 步）
+    S:    [B, v_heads, 128, 128]，float32 的记忆矩阵
+    history: 若不为 None，递推会把每个位置之后的 (卷积窗口, S) 记下来，投机解码靠它零代价回滚
+    """
+
+    def __init__(self):
+        self.conv = None
+        self.S = None
+        self.history = None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False):
+    """逐 token 递推。q、k [B, H, T, Dk]，v [B, H, T, Dv]，g、beta [B, H, T]，S [B, H, Dk, Dv]。
+
+    返回 (输出 [B, H, T, Dv], 最终 S, 每个位置之后的 S [B, T, H, Dk, Dv] 或 None)。全部 float32。
+    """
+    T = q.shape[2]
+    outs, states = [], []
+    decay = g.exp()  # [B, H, T]
+    for t in range(T):
+        k_t, q_t = k[:, :, t], q[:, :, t]  # [B, H, Dk]
+        S = S * decay[:, :, t, None, None]  # S ← exp(g)·S
+        pred = torch.einsum("bhkv,bhk->bhv", S, k_t)  # Sᵀk：记忆对 v 的预测
+        delta = (v[:, :, t] - pred) * beta[:, :, t, None]  # β(v − Sᵀk)
+        S = S + k_t[..., :, None] * delta[..., None, :]  # S ← S + k ⊗ δ
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q_t))  # o = Sᵀq
+        if keep_all:
+            states.append(S)
+    o = torch.stack(outs, dim=2)  # [B, H, T, Dv]
+    return o, S, (torch.stack(states, dim=1) if keep_all else None)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim  # 0.8B：16 × 128 = 2048
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        conv_dim = 2 * self.key_dim + self.value_dim  # q、k、v 拼在一起卷积：6144
+        h = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)  # 行依次是 q、k、v
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)  # 输出门
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)  # β 的 logit
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)  # 衰减的输入
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False)  # 权重 [C, 1, 4]
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def causal_conv(self, x: torch.Tensor, state: DeltaNetState | None):
+        """因果深度卷积：x [B, T, C] → [B, T, C]。返回 (输出, 拼上历史后的完整输入 [B, C, 3 + T])。"""
+        B, T, C = x.shape
+        x = x.transpose(1, 2)  # [B, C, T]
+        past = state.conv if state is not None and state.conv is not None else x.new_zeros(B, C, self.kernel - 1)
+        full = torch.cat([past, x], dim=-1)  # [B, C, 3 + T]：前面接上最近 3 个输入
+        y = F.conv1d(full, self.conv1d.weight, groups=C)  # [B, C, T]：不补零，长度正好是 T
+        return F.silu(y).transpose(1, 2), full
+
+    def forward(self, x, state: DeltaNetState | None = None, valid=None, rule=recurrent_gated_delta_rule):
+        """x [B, T, hidden] → [B, T, hidden]。valid [B, T]：填充位置的输入置零，不写进状态。
+
+        rule 是核心递推的实现：本章的逐 token 递推，或下一章的分块并行形式（同样的签名）。
+        """
+        B, T, _ = x.shape
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if valid is not None:
+            # 左填充的位置输入为 0：投影后 k = v = 0，不会写进 S，卷积窗口里也只是初始的 0。
+            x = torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype))
+        qkv, full = self.causal_conv(self.in_proj_qkv(x), state)  # [B, T, 6144]
+        q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.view(B, T, Hk, Dk)) * Dk**-0.5  # [B, T, Hk, Dk]
+        k = l2norm(k.view(B, T, Hk, Dk))
+        v = v.view(B, T, Hv, Dv)
+        if Hv > Hk:  # 值头多于键头：每个 q、k 头服务相邻的 Hv/Hk 个值头
+            q = q.repeat_interleave(Hv // Hk, dim=2)
+            k = k.repeat_interleave(Hv // Hk, dim=2)
+        beta = torch.sigmoid(self.in_proj_b(x).float())  # [B, T, Hv]：写入强度
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # 对数衰减 ≤ 0
+
+        S = state.S if state is not None and state.S is not None else q.new_zeros(B, Hv, Dk, Dv)
+        keep = state is not None and state.history is not None
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, T]
+        o, S, states = rule(q, k, v, g, beta, S, keep_all=keep)
+        if state is not None:
+            state.S = S
+            state.conv = full[..., -(self.kernel - 1):]  # 新窗口：最后 3 个输入
+            if keep:
+                state.history = (full, states)  # 每个位置之后的窗口可从 full 切出，S 在 states 里
+
+        z = self.in_proj_z(x).view(B, T, Hv, Dv)
+        o = self.norm(o.transpose(1, 2), z)  # [B, T, Hv, Dv]：逐头门控 RMSNorm
+        return self.out_proj(o.reshape(B, T, Hv * Dv).to(x.dtype))  # [B, T, hidden]

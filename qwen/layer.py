@@ -1,0 +1,47 @@
+"""第 9 章 · 解码层：前置归一化的残差块，两种“混合器”二选一。
+
+    x = x + mixer(input_layernorm(x))          mixer：门控注意力 或 Gated DeltaNet
+    x = x + mlp(post_attention_layernorm(x))
+
+Qwen3.5-0.8B 的 24 层按 [DeltaNet, DeltaNet, DeltaNet, 注意力] 重复 6 次。
+DeltaNet 层在这里决定用哪种形式：长输入（预填充）用分块并行，短输入（解码一个 token、
+投机解码验证几个 token）用逐 token 递推；后者还能记下每个位置之后的状态。
+"""
+
+from torch import nn
+
+from .attention import Attention
+from .chunk import chunk_gated_delta_rule
+from .deltanet import GatedDeltaNet, recurrent_gated_delta_rule
+from .mlp import MLP
+from .norm import RMSNorm
+
+RECURRENT_MAX_T = 8  # 不超过这么多 token 时走递推：几步小运算比分块的固定开销便宜
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        elif layer_type == "full_attention":
+            self.self_attn = Attention(cfg)
+        else:
+            raise ValueError(f"未知的层类型 {layer_type!r}：应为 'linear_attention' 或 'full_attention'")
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, state=None, valid=None):
+        """x [B, T, hidden] float32；cos、sin 来自 rope_tables；state 是本层的缓存；valid [B, L] 标出真实 token。"""
+        dtype = self.mlp.down_proj.weight.dtype  # 矩阵乘法用权重的 dtype（bfloat16 或 float32）
+        h = self.input_layernorm(x).to(dtype)
+        if self.layer_type == "linear_attention":
+            T = x.shape[1]
+            rule = recurrent_gated_delta_rule if T <= RECURRENT_MAX_T else chunk_gated_delta_rule
+            h = self.linear_attn(h, state, None if valid is None else valid[:, -T:], rule=rule)
+        else:
+            h = self.self_attn(h, cos, sin, state, valid)
+        x = x + h  # 残差流 x 保持 float32：bfloat16 里连加 48 次会一点点丢掉精度
+        return x + self.mlp(self.post_attention_layernorm(x).to(dtype))

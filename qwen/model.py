@@ -1,0 +1,98 @@
+"""第 10 章 · 模型：把各章拼起来，并从检查点加载。
+
+    logits = lm_head(norm(layers(embed_tokens(ids))))
+
+embed_tokens 查表得到向量；24 个解码层逐层加工；最后一次零中心 RMSNorm；
+lm_head 与 embed_tokens 共用一个矩阵，给词表里每个词打分。
+
+`model(ids, state)` 一次处理 T 个新 token，返回每个位置的 logits，并把 state.pos 前移 T：
+预填充、逐 token 解码、投机解码一次验证几个 token，都是同一个调用。
+state 为 None 时是无缓存的一次性前向（训练与测试用）。
+
+加载：先在 meta 设备上搭出模型骨架（不分配内存），读出检查点张量、核对名字与形状，
+再用 load_state_dict(assign=True) 把张量直接“装”进去，内存里始终只有一份权重。
+"""
+
+import torch
+from torch import nn
+
+from .embedding import Embedding
+from .layer import DecoderLayer
+from .norm import RMSNorm
+from .rope import rope_tables
+from .weights import Config, check_state_dict, find_model, load_config, load_weights
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # 共用同一个参数
+
+    def check_ids(self, ids, state) -> torch.Tensor:
+        """把输入整理成 [B, T] 的 long 张量，不合法时给出清楚的错误。"""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.embed_tokens.weight.device)
+        if ids.ndim == 1:
+            ids = ids[None]  # [T] → [1, T]
+        if ids.ndim != 2:
+            raise ValueError(f"ids 应为 [batch, 长度] 的二维张量，收到形状 {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            raise ValueError("ids 是空的：至少要有一个 token")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token id 超出词表范围 [0, {self.cfg.vocab_size})")
+        pos = state.pos if state is not None else 0
+        if pos + ids.shape[1] > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"序列太长：已有 {pos} 个位置，再加 {ids.shape[1]} 个超过 "
+                f"max_position_embeddings = {self.cfg.max_position_embeddings}"
+            )
+        return ids
+
+    def hidden(self, ids, state=None) -> torch.Tensor:
+        """最后一次 norm 之后的隐藏状态 [B, T, hidden]（MTP 草稿头要用它）。"""
+        ids = self.check_ids(ids, state)
+        B, T = ids.shape
+        pos = state.pos if state is not None else 0
+        positions = torch.arange(pos, pos + T, device=ids.device)  # [T]
+        valid = None
+        if state is not None and state.valid is not None:  # 批处理：左填充
+            valid = state.extend_valid(T)  # [B, pos + T]
+            positions = positions - state.pad[:, None]  # [B, T]：每行从自己的第一个真实 token 数起
+        cos, sin = rope_tables(self.cfg, positions)
+        x = self.embed_tokens(ids).float()  # [B, T, hidden]：残差流用 float32
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, None if state is None else state.layers[i], valid)
+        if state is not None:
+            state.pos += T
+        return self.norm(x).to(self.embed_tokens.weight.dtype)
+
+    def forward(self, ids, state=None, last: bool = False) -> torch.Tensor:
+        """logits [B, T, vocab]（float32）；last=True 时只算最后一个位置 [B, 1, vocab]，预填充省下大量计算。"""
+        h = self.hidden(ids, state)
+        if last:
+            h = h[:, -1:]
+        return self.lm_head(h).float()
+
+    @classmethod
+    def from_pretrained(cls, path=None, dtype: torch.dtype = torch.bfloat16) -> "Model":
+        """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。"""
+        path = find_model(path)
+        cfg = load_config(path)
+        with torch.device("meta"):
+            model = cls(cfg)  # 只有形状，没有内存
+        sd = load_weights(path, "model.", dtype)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            expected.pop("lm_head.weight")  # 共用嵌入：检查点里没有它
+            sd.pop("lm_head.weight", None)
+        check_state_dict(expected, sd, f"检查点 {path}")
+        model.load_state_dict(sd, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
+        model.path = path
+        return model.eval()

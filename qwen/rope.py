@@ -1,0 +1,37 @@
+"""第 5 章 · RoPE：旋转位置编码（只转一部分维度）。
+
+注意力本身不知道 token 的先后。RoPE 把查询和键的每两个维度看成一个平面上的点，
+按位置 p 旋转角度 p·θ_i，其中 θ_i = theta^(-2i/d)。两个向量旋转后的点积只取决于
+位置之差，于是注意力分数自然带上了相对位置。
+
+Qwen3.5 只旋转每个头的前 rotary_dim = head_dim × 0.25 = 64 维，其余 192 维原样保留；
+theta 很大（1e7），适合超长上下文。配置里的 M-RoPE（给图像的三维位置）对纯文本而言三个
+分量的位置相同，就退化成这里的普通 RoPE。布局是 NeoX 式：前一半与后一半配对（rotate_half）。
+"""
+
+import torch
+
+
+def rope_tables(cfg, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] 或 [B, T] → cos, sin，形状 [..., T, rotary_dim]，float32。"""
+    d = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
+    angles = positions.float()[..., None] * inv_freq  # [..., T, d/2]：p·θ_i
+    angles = torch.cat([angles, angles], dim=-1)  # [..., T, d]：前后两半用同一组角度
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) → (-x2, x1)：把第 i 维与第 i + d/2 维组成的平面转 90°。"""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, head_dim]，cos/sin [T, d] 或 [B, T, d]：只旋转前 d 维。"""
+    if cos.ndim == 3:
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, d]：每行自己的位置（批处理的左填充）
+    d = cos.shape[-1]
+    rot, rest = x[..., :d], x[..., d:]
+    rot = (rot.float() * cos + rotate_half(rot.float()) * sin).to(x.dtype)  # x·cos + rotate_half(x)·sin
+    return torch.cat([rot, rest], dim=-1)

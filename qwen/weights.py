@@ -1,0 +1,228 @@
+"""第 1 章 · 权重：配置、找到检查点、按需读取张量。
+
+一个 Hugging Face 检查点就是一个文件夹：`config.json` 描述模型的形状，
+`*.safetensors` 装着张量（大模型切成几个分片，由 `model.safetensors.index.json`
+记录每个张量在哪个分片里）。Qwen3.5 发布的是多模态包装：语言模型的配置嵌在
+`text_config` 里，张量名以 `model.language_model.` 开头，旁边还有视觉塔
+`model.visual.*`（我们不读）和 MTP 草稿头 `mtp.*`（第 14 章用）。
+
+safetensors 的好处是可以“按名字懒读取”：只打开文件头，需要哪个张量才把它从
+磁盘映射进来。所以以 bfloat16 加载 0.8B 时，内存里从来不会出现 float32 副本。
+我们只用 safetensors：`torch.load` 会执行 pickle 里的任意代码，不能拿来读别人给的文件。
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+REPO_ID = "Qwen/Qwen3.5-0.8B"
+# 下载时只取这些文件：配置、权重、分片索引、分词器与对话模板；不要视觉预处理等无关文件。
+NEEDED_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+]
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # 多模态包装 / 纯文本
+
+
+@dataclass
+class Config:
+    """语言模型的全部超参数。默认值就是 Qwen3.5-0.8B。"""
+
+    vocab_size: int = 248320
+    hidden_size: int = 1024
+    intermediate_size: int = 3584  # SwiGLU MLP 的中间宽度
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 8  # 全注意力层：查询头
+    num_key_value_heads: int = 2  # 全注意力层：键值头（GQA）
+    head_dim: int = 256
+    linear_num_key_heads: int = 16  # DeltaNet 层：q、k 头数
+    linear_num_value_heads: int = 16  # DeltaNet 层：v 头数（≥ k 头数）
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4  # 因果深度卷积的核宽
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25  # 只旋转每个头的前 25% 维（256 → 64）
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = True  # 输出头与词嵌入共用一个矩阵
+    mtp_num_hidden_layers: int = 1
+    eos_token_id: int | None = 248044
+    layer_types: list[str] = field(default_factory=list)  # 每层 "linear_attention" 或 "full_attention"
+    full_attention_interval: int = 4  # 没给 layer_types 时：第 i 层在 (i+1) % 4 == 0 时是全注意力
+
+    def __post_init__(self):
+        if not self.layer_types:
+            n = self.full_attention_interval
+            self.layer_types = [
+                "full_attention" if (i + 1) % n == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types 有 {len(self.layer_types)} 项，但 num_hidden_layers = {self.num_hidden_layers}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads 必须是 linear_num_key_heads 的整数倍")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # 0.8B：256 × 0.25 = 64
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """从 config.json 的内容构造；嵌套的 text_config 与扁平的写法都接受。"""
+        model_type = d.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"这不是 Qwen3.5 的检查点：config.json 的 model_type 是 {model_type!r}，"
+                f"需要 {' 或 '.join(repr(t) for t in MODEL_TYPES)}"
+            )
+        text = dict(d.get("text_config") or d)
+        # 词嵌入是否共享：多模态包装把它写在顶层。
+        if "tie_word_embeddings" in d and "tie_word_embeddings" not in text:
+            text["tie_word_embeddings"] = d["tie_word_embeddings"]
+        # RoPE 参数：新版写在 rope_parameters 里，旧版散在顶层。
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope and key not in text:
+                text[key] = rope[key]
+        eos = text.get("eos_token_id", d.get("eos_token_id"))
+        text["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in text.items() if k in names and v is not None})
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """读取文件夹里的 config.json。"""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{path} 里没有 config.json：这不是一个 Hugging Face 检查点文件夹。"
+            f"请指向含 config.json 与 *.safetensors 的文件夹（例如 {REPO_ID} 的本地副本）。"
+        )
+    with open(file, encoding="utf-8") as f:
+        return Config.from_dict(json.load(f))
+
+
+def find_model(path: str | os.PathLike | None = None) -> Path:
+    """找到检查点文件夹：显式路径 > 环境变量 QWEN_MODEL > 本地 HF 缓存 > 下载。"""
+    if path is None:
+        path = os.environ.get("QWEN_MODEL") or None
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            raise FileNotFoundError(f"模型路径 {p} 不存在或不是文件夹")
+        return p
+
+    from huggingface_hub import snapshot_download  # 只在需要时导入
+
+    try:  # 先只看本地缓存，不碰网络
+        return Path(snapshot_download(REPO_ID, allow_patterns=NEEDED_FILES, local_files_only=True))
+    except Exception:
+        pass
+    try:  # 再下载（约 1.7 GB，带 huggingface_hub 的进度条）
+        return Path(snapshot_download(REPO_ID, allow_patterns=NEEDED_FILES))
+    except Exception as e:
+        raise FileNotFoundError(
+            f"找不到模型 {REPO_ID}：本地 Hugging Face 缓存里没有，下载也失败了（{type(e).__name__}）。"
+            f"离线时请把检查点文件夹传给 path 参数或 --model，或设置环境变量 QWEN_MODEL=/path/to/Qwen3.5-0.8B。"
+        ) from None
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """检查点的所有 safetensors 文件：有索引就按索引，否则取单个 model.safetensors。"""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path} 的分片索引提到的文件不存在：{', '.join(missing)}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise ValueError(
+            f"{path} 里只有 .bin/.pt（pickle）格式的权重。本项目只读 safetensors："
+            "pickle 文件可以执行任意代码。请使用 safetensors 格式的检查点。"
+        )
+    raise FileNotFoundError(f"{path} 里没有 *.safetensors 权重文件")
+
+
+def part_prefixes(part: str) -> tuple[str, ...]:
+    """一个“部分”在检查点里可能用的前缀。文本模型在多模态包装里是 model.language_model.。"""
+    if part == "model.":
+        return ("model.language_model.", "model.")
+    return (part,)
+
+
+def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dtype | None = None) -> dict:
+    """读出检查点的一个部分，去掉前缀后返回 {名字: 张量}。
+
+    part="model." 取文本模型（lm_head.weight 若存在也一并返回），part="mtp." 取草稿头。
+    model.visual.* 永远不读。dtype 给定时，浮点的矩阵转成 dtype；一维张量（各种 norm 的权重、
+    A_log、dt_bias）保留 float32：它们很小，却直接决定数值精度。
+    """
+    prefixes = part_prefixes(part)
+    out = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith("model.visual."):
+                    continue  # 视觉塔：不读
+                prefix = next((p for p in prefixes if name.startswith(p)), None)
+                if prefix is not None:
+                    key = name[len(prefix):]
+                elif part == "model." and name == "lm_head.weight":
+                    key = name
+                else:
+                    continue
+                if key in out:
+                    continue  # model.language_model.x 优先于 model.x
+                t = f.get_tensor(name)  # 懒读取：此刻才从磁盘映射这个张量
+                out[key] = cast(t, dtype)
+    return out
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """矩阵转成计算用的 dtype；一维参数一律 float32。"""
+    if not t.is_floating_point():
+        return t
+    if t.ndim <= 1:
+        return t.float()
+    return t if dtype is None else t.to(dtype)
+
+
+def check_state_dict(expected: dict[str, torch.Size], got: dict[str, torch.Tensor], what: str) -> None:
+    """在交给 load_state_dict 之前检查名字和形状，报出能看懂的错误。"""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    if missing or unexpected:
+        lines = [f"{what} 的张量与模型对不上："]
+        if missing:
+            lines.append(f"  缺少 {len(missing)} 个：{', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))
+        if unexpected:
+            lines.append(
+                f"  多出 {len(unexpected)} 个：{', '.join(unexpected[:10])}" + (" ..." if len(unexpected) > 10 else "")
+            )
+        lines.append("  检查点与 config.json 是否来自同一个模型？")
+        raise ValueError("\n".join(lines))
+    for name, shape in expected.items():
+        if tuple(got[name].shape) != tuple(shape):
+            raise ValueError(
+                f"{what} 的张量 {name} 形状不对：检查点里是 {tuple(got[name].shape)}，"
+                f"按 config.json 应为 {tuple(shape)}"
+            )

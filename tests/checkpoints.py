@@ -1,0 +1,170 @@
+"""测试用检查点：用 transformers 搭一个随机的 Qwen3.5，按发布检查点的布局存盘。
+
+布局与 Qwen/Qwen3.5-0.8B 一致：config.json 里嵌套 text_config、model_type "qwen3_5"；
+张量名在 model.language_model. 下；共用嵌入所以没有 lm_head.weight；两个分片加索引；
+另有 mtp.* 与 model.visual.* 张量（加载文本模型时必须跳过）。
+所有权重都是随机且“不平凡”的：norm 权重、A_log、dt_bias 也不例外，
+否则测试分不出 w 与 1 + w。
+
+也可以在命令行里用：python tests/checkpoints.py OUT_DIR [--tiny|--08b-widths]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # 值头多于键头
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+)
+
+# 0.8B 的全部宽度，只是层数少：3 个 DeltaNet 层 + 1 个注意力层
+WIDTHS_08B = dict(
+    vocab_size=1024,
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+)
+
+
+def hf_config(**overrides):
+    from transformers import Qwen3_5TextConfig
+
+    kw = dict(TINY)
+    kw.update(overrides)
+    kw.setdefault("max_position_embeddings", 4096)
+    return Qwen3_5TextConfig(
+        **kw,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        eos_token_id=kw["vocab_size"] - 1,
+    )
+
+
+OUT_SCALE = 0.1
+
+
+@torch.no_grad()
+def randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """把每个参数都换成随机值，尺度让 logits 在 1 的量级。"""
+    for name, p in module.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape).uniform_(0.5, 8.0, generator=gen).log())
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        elif name.endswith("linear_attn.norm.weight"):  # 普通权重，围绕 1
+            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+        elif "norm" in name:  # 零中心：围绕 0 的偏移
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name:  # 也是输出头：1/sqrt(hidden) 使 logits 的标准差约为 1
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        else:
+            fan_in = math.prod(p.shape[1:])
+            # 写回残差流的投影小一些：像训练过的模型那样每层只微调残差，而不是把它整个打乱
+            scale = OUT_SCALE if name.split(".")[-2] in ("o_proj", "out_proj", "down_proj") else 1.0
+            p.copy_(torch.randn(p.shape, generator=gen) * (scale / math.sqrt(fan_in)))
+
+
+def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """随机的 MTP 草稿头：fc、两个 pre_fc_norm、一个全注意力解码层、norm。"""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    c = cfg.__class__(**{**cfg.to_dict(), "layer_types": ["full_attention"], "num_hidden_layers": 1})
+    layer = Qwen3_5DecoderLayer(c, 0)
+    randomize(layer, gen)
+    h = cfg.hidden_size
+    out = {f"mtp.layers.0.{k}": v.clone() for k, v in layer.state_dict().items()}
+    out["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) / math.sqrt(2 * h)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{n}.weight"] = 0.3 * torch.randn(h, generator=gen)
+    return out
+
+
+def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, **overrides):
+    """在 path 写一个随机检查点，返回 (path, transformers 模型)。"""
+    from transformers import Qwen3_5ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = hf_config(**overrides)
+    torch.manual_seed(seed)
+    hf = Qwen3_5ForCausalLM(cfg).float().eval()
+    randomize(hf, gen)
+
+    tensors = {}
+    for k, v in hf.state_dict().items():
+        if k == "lm_head.weight":
+            continue  # 共用嵌入：发布的检查点里没有它
+        assert k.startswith("model.")
+        keep32 = k.endswith("A_log") or k.endswith("linear_attn.norm.weight")  # 发布检查点里这两种存 float32
+        tensors["model.language_model." + k[len("model."):]] = v.to(torch.float32 if keep32 else dtype).contiguous()
+    if mtp:
+        tensors.update({k: v.to(dtype) for k, v in mtp_tensors(cfg, gen).items()})
+    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 4, 4, generator=gen).to(dtype)
+    tensors["model.visual.merger.linear_fc1.weight"] = torch.randn(16, 16, generator=gen).to(dtype)
+
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(path / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in keys})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+    text = cfg.to_dict()
+    text["model_type"] = "qwen3_5_text"
+    text["mtp_num_hidden_layers"] = 1
+    text["dtype"] = "float32" if dtype == torch.float32 else "bfloat16"
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "text_config": text,
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16},
+        "image_token_id": 248056,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path, hf
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    preset = WIDTHS_08B if "--08b-widths" in sys.argv else {}
+    make_checkpoint(out, **preset)
+    print(out)
