@@ -1,0 +1,137 @@
+"""坏输入得到清楚的错误：说出问题在哪、该怎么办。"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qwen import Config, Model, find_model, load_config
+
+
+def single_file_copy(src, dst, edit=None):
+    """把分片检查点合成单个 model.safetensors（顺便测单文件布局），可选地改动张量。"""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    if edit:
+        edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_single_file_checkpoint_loads(tiny, tmp_path):
+    path = single_file_copy(tiny[0], tmp_path / "single")
+    a = Model.from_pretrained(path, dtype=torch.float32)
+    b = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(a(ids), b(ids))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Model.from_pretrained(tmp_path)
+
+
+def test_other_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="'llama'"):
+        load_config(tmp_path)
+
+
+def test_missing_tensor(tiny, tmp_path):
+    name = "model.language_model.layers.1.linear_attn.dt_bias"
+    path = single_file_copy(tiny[0], tmp_path / "m", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=r"缺少 1 个：layers\.1\.linear_attn\.dt_bias"):
+        Model.from_pretrained(path)
+
+
+def test_unexpected_tensor(tiny, tmp_path):
+    def add(t):
+        t["model.language_model.layers.0.mlp.extra.weight"] = torch.zeros(3, 3)
+
+    path = single_file_copy(tiny[0], tmp_path / "u", add)
+    with pytest.raises(ValueError, match=r"多出 1 个：layers\.0\.mlp\.extra\.weight"):
+        Model.from_pretrained(path)
+
+
+def test_shape_mismatch(tiny, tmp_path):
+    name = "model.language_model.layers.2.mlp.up_proj.weight"
+
+    def bad(t):
+        t[name] = torch.zeros(7, 128)
+
+    path = single_file_copy(tiny[0], tmp_path / "s", bad)
+    with pytest.raises(ValueError, match=r"layers\.2\.mlp\.up_proj\.weight.*\(7, 128\).*\(256, 128\)"):
+        Model.from_pretrained(path)
+
+
+def test_bin_only_refused(tiny, tmp_path):
+    shutil.copy(tiny[0] / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(ValueError, match="safetensors"):
+        Model.from_pretrained(tmp_path)
+
+
+def test_missing_shard(tiny, tmp_path):
+    dst = tmp_path / "shards"
+    shutil.copytree(tiny[0], dst)
+    (dst / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        Model.from_pretrained(dst)
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(0)
+    cfg = Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=16)
+    return Model(cfg).eval()
+
+
+def test_empty_ids(small):
+    with pytest.raises(ValueError, match="空"):
+        small(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_prompt_too_long(small):
+    from qwen import State
+
+    with pytest.raises(ValueError, match="max_position_embeddings = 16"):
+        small(torch.zeros(1, 17, dtype=torch.long))
+    state = State(small)
+    with torch.no_grad():
+        small(torch.zeros(1, 10, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="已有 10 个位置"):
+        small(torch.zeros(1, 7, dtype=torch.long), state)
+
+
+def test_token_out_of_vocab(small):
+    with pytest.raises(ValueError, match="词表"):
+        small(torch.tensor([[64]]))
+
+
+def test_find_model_explicit_and_env(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("QWEN_MODEL", str(tiny[0]))
+    assert find_model() == tiny[0]
+    assert find_model(tmp_path) == tmp_path  # 显式路径优先
+    with pytest.raises(FileNotFoundError, match="不存在"):
+        find_model(tmp_path / "nope")
+
+
+def test_find_model_offline_nothing_cached(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "QWEN_MODEL"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    code = "from qwen import find_model\ntry:\n    find_model()\nexcept FileNotFoundError as e:\n    print('ERR', e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERR")
+    assert "Qwen/Qwen3.5-0.8B" in out.stdout and "QWEN_MODEL" in out.stdout
