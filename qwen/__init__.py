@@ -1,11 +1,17 @@
 """qwen：手写、可读、快速的 Qwen3.5 PyTorch 实现。
 
 按课程顺序阅读：weights → embedding → norm → mlp → rope → attention → deltanet → chunk
-→ layer → model → cache。
+→ layer → model → cache → sample → chat → batch → mtp。
 """
 
+from .batch import generate_batch
 from .cache import State
+from .chat import Chat, build_prompt
 from .model import Model
+from .sample import generate, stream
 from .weights import Config, find_model, load_config, load_weights
 
-__all__ = ["Config", "Model", "State", "find_model", "load_config", "load_weights"]
+__all__ = [
+    "Chat", "Config", "Model", "State", "build_prompt", "find_model", "generate", "generate_batch",
+    "load_config", "load_weights", "stream",
+]

@@ -111,7 +111,7 @@ def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, **overrides):
+def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, tokenizer: bool = True, **overrides):
     """在 path 写一个随机检查点，返回 (path, transformers 模型)。"""
     from transformers import Qwen3_5ForCausalLM
 
@@ -160,11 +160,39 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
         "image_token_id": 248056,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer:
+        make_tokenizer(path, min(400, cfg.vocab_size))
     return path, hf
+
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "你好，世界！今天天气很好。我们来学习 Transformer 与长江。",
+    "用一句话介绍一下 Transformer。写一段 200 字的短文，介绍长江。",
+    "Hello world! The quick brown fox jumps over the lazy dog. 🚀🎉👍",
+    "def add(a, b):\n    return a + b\n",
+    "<think>\n\n</think>\n\n system user assistant 😀 中文 emoji 🐉",
+]
+
+
+def make_tokenizer(path, vocab_size: int = 400):
+    """字节级 BPE 分词器，带 Qwen 的特殊记号；存为 path/tokenizer.json。"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(CORPUS * 20, trainer)
+    tk.save(str(Path(path) / "tokenizer.json"))
+    return tk
 
 
 if __name__ == "__main__":
     out = sys.argv[1]
     preset = WIDTHS_08B if "--08b-widths" in sys.argv else {}
     make_checkpoint(out, **preset)
+    make_tokenizer(out)
     print(out)

@@ -1,0 +1,87 @@
+"""命令行对话：python -m qwen "你好"；不给提示词时进入多轮对话。"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .chat import Chat, build_prompt
+from .model import Model
+from .sample import check_sampling, stream
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m qwen", description="与 Qwen3.5 对话（流式输出）")
+    p.add_argument("prompt", nargs="?", help="一句话；省略时进入交互式多轮对话")
+    p.add_argument("--model", default=None, help="检查点文件夹（默认：QWEN_MODEL、本地缓存或下载 Qwen/Qwen3.5-0.8B）")
+    p.add_argument("--system", default=None, help="系统提示词")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 为贪心")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
+    return p.parse_args(argv)
+
+
+def answer(chat, messages, args) -> str:
+    """流式打印一轮回答，结尾打印速度；返回完整文字。"""
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    counted = []
+
+    def counting(tokens):
+        for t in tokens:
+            counted.append(t)
+            yield t
+
+    ids = chat.encode(build_prompt(messages, args.think))
+    start = time.perf_counter()
+    pieces = []
+    for piece in chat.stream_text(counting(stream(chat.model, ids, args.max_new_tokens, chat.stop, **sampling))):
+        pieces.append(piece)
+        print(piece, end="", flush=True)
+    seconds = time.perf_counter() - start
+    print(f"\n[{len(counted)} 个 token，{seconds:.1f} 秒，{len(counted) / max(seconds, 1e-9):.1f} token/s]", file=sys.stderr)
+    return "".join(pieces)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model = Model.from_pretrained(args.model, dtype=DTYPES[args.dtype])
+        chat = Chat(model)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"错误：{e}")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    try:
+        if args.prompt is not None:
+            answer(chat, messages + [{"role": "user", "content": args.prompt}], args)
+            return
+        print("多轮对话：输入内容后回车；空行或 Ctrl-D 退出，/reset 清空历史。", file=sys.stderr)
+        while True:
+            try:
+                text = input("你：").strip()
+            except EOFError:
+                break
+            if not text:
+                break
+            if text == "/reset":
+                messages = messages[:1] if args.system else []
+                continue
+            messages.append({"role": "user", "content": text})
+            print("Qwen：", end="", flush=True)
+            messages.append({"role": "assistant", "content": answer(chat, messages, args)})
+    except ValueError as e:
+        sys.exit(f"错误：{e}")
+
+
+if __name__ == "__main__":
+    main()

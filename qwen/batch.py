@@ -1,0 +1,53 @@
+"""第 13 章附 · 批处理：几个长短不一的提示词一起生成。
+
+解码一个 token 时，CPU 的时间几乎全花在把权重从内存读进来；一次算 4 行和算 1 行
+读的是同样的权重，所以批处理几乎白送吞吐。难点是长度不一：我们在左边补齐（左填充），
+让所有行的最后一个 token 对齐，之后每步都是整齐的 [B, 1]。
+
+补进去的位置必须“不存在”：
+- 注意力：掩码让真实 token 看不见填充位置（cache.State.valid）；
+- DeltaNet：填充位置的输入置零，零向量既不写进记忆 S，也只在卷积窗口里留下初始的 0；
+- RoPE：每行的位置从它自己的第一个真实 token 数起（State.pad）。
+于是每行的贪心输出与单独生成它时相同。每行命中停止符就停，其余行继续。
+"""
+
+import torch
+
+from .cache import State
+from .sample import check_sampling, make_generator, pick
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0, top_k=None, top_p=None, seed=None):
+    """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。"""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts 不能为空，每个提示词至少要有一个 token")
+    B, L = len(prompts), max(len(p) for p in prompts)
+    device = model.embed_tokens.weight.device
+    ids = torch.zeros(B, L, dtype=torch.long)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = p  # 左填充：填充值是多少都行，反正看不见
+        valid[b, L - len(p):] = True
+    ids, valid = ids.to(device), valid.to(device)
+
+    outs = [[] for _ in range(B)]
+    if max_new_tokens == 0:
+        return outs
+    stop = set(stop)
+    gen = make_generator(seed, device)
+    state = State(model, valid)
+    logits = model(ids, state, last=True)[:, -1]  # [B, V]
+    done = [False] * B
+    for i in range(max_new_tokens):
+        tokens = pick(logits, temperature, top_k, top_p, gen)  # [B]
+        for b, t in enumerate(tokens.tolist()):
+            if not done[b]:
+                outs[b].append(t)
+                done[b] = t in stop
+        if all(done) or i == max_new_tokens - 1:
+            break
+        logits = model(tokens[:, None], state)[:, -1]  # 已停的行照算，结果丢弃：不影响别的行
+    return outs
