@@ -33,12 +33,14 @@ class DeltaNetState:
 
     conv: [B, 通道, 核宽 − 1]，最近 3 个 in_proj_qkv 输出（卷积要往回看 3 步）
     S:    [B, v_heads, 128, 128]，float32 的记忆矩阵
-    history: 若不为 None，递推会把每个位置之后的 (卷积窗口, S) 记下来，投机解码靠它零代价回滚
+    keep_history: 为真时，递推把每个位置之后的状态记进 history = (完整卷积输入, 每个位置之后的 S)，
+                  投机解码靠它零代价回滚（第 14 章）
     """
 
     def __init__(self):
         self.conv = None
         self.S = None
+        self.keep_history = False
         self.history = None
 
 
@@ -120,7 +122,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # 对数衰减 ≤ 0
 
         S = state.S if state is not None and state.S is not None else q.new_zeros(B, Hv, Dk, Dv)
-        keep = state is not None and state.history is not None
+        keep = state is not None and state.keep_history
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, T]
         o, S, states = rule(q, k, v, g, beta, S, keep_all=keep)

@@ -76,8 +76,12 @@ OUT_SCALE = 0.1
 
 
 @torch.no_grad()
-def randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
-    """把每个参数都换成随机值，尺度让 logits 在 1 的量级。"""
+def randomize(module: torch.nn.Module, gen: torch.Generator, out_scale: float = OUT_SCALE) -> None:
+    """把每个参数都换成随机值，尺度让 logits 在 1 的量级。
+
+    out_scale 是写回残差流的三个投影的相对尺度。小（0.1）时模型平稳，适合与参考实现比 logits，
+    但贪心续写几乎总在重复上一个 token（嵌入与输出头共用）；大（1.0）时续写多样，适合测生成。
+    """
     for name, p in module.named_parameters():
         if name.endswith("A_log"):
             p.copy_(torch.empty(p.shape).uniform_(0.5, 8.0, generator=gen).log())
@@ -92,7 +96,7 @@ def randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
         else:
             fan_in = math.prod(p.shape[1:])
             # 写回残差流的投影小一些：像训练过的模型那样每层只微调残差，而不是把它整个打乱
-            scale = OUT_SCALE if name.split(".")[-2] in ("o_proj", "out_proj", "down_proj") else 1.0
+            scale = out_scale if name.split(".")[-2] in ("o_proj", "out_proj", "down_proj") else 1.0
             p.copy_(torch.randn(p.shape, generator=gen) * (scale / math.sqrt(fan_in)))
 
 
@@ -111,7 +115,8 @@ def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, tokenizer: bool = True, **overrides):
+def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, tokenizer: bool = True,
+                    out_scale: float = OUT_SCALE, **overrides):
     """在 path 写一个随机检查点，返回 (path, transformers 模型)。"""
     from transformers import Qwen3_5ForCausalLM
 
@@ -121,7 +126,7 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
     cfg = hf_config(**overrides)
     torch.manual_seed(seed)
     hf = Qwen3_5ForCausalLM(cfg).float().eval()
-    randomize(hf, gen)
+    randomize(hf, gen, out_scale)
 
     tensors = {}
     for k, v in hf.state_dict().items():

@@ -1,9 +1,12 @@
 import pytest
 import torch
+from hypothesis import settings
 
 from checkpoints import WIDTHS_08B, make_checkpoint
 
 torch.set_num_threads(2)
+settings.register_profile("deterministic", derandomize=True, deadline=None)  # 同样的例子，每次都一样
+settings.load_profile("deterministic")
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +19,9 @@ def tiny(tmp_path_factory):
 def widths08b(tmp_path_factory):
     """(路径, transformers 模型)：0.8B 的全部宽度，4 层。"""
     return make_checkpoint(tmp_path_factory.mktemp("w08b"), seed=2, **WIDTHS_08B)
+
+
+@pytest.fixture(scope="session")
+def lively(tmp_path_factory):
+    """(路径, transformers 模型)：写回残差流的投影尺度为 1，贪心续写多样，用来测生成与投机解码。"""
+    return make_checkpoint(tmp_path_factory.mktemp("lively"), seed=3, out_scale=1.0)

@@ -16,8 +16,8 @@ from qwen.sample import generate, pick, probabilities, stream
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
-    return Model.from_pretrained(tiny[0], dtype=torch.float32)
+def model(lively):
+    return Model.from_pretrained(lively[0], dtype=torch.float32)
 
 
 def ids_of(T, seed=0, vocab=512):
@@ -183,8 +183,8 @@ def test_build_prompt_matches_checkpoint_template(messages, thinking):
 
 
 @pytest.fixture(scope="module")
-def chat(tiny, model):
-    return Chat(model, tiny[0])
+def chat(lively, model):
+    return Chat(model, lively[0])
 
 
 def test_chat_basics(chat):

@@ -1,0 +1,264 @@
+"""第 14 章 · MTP 草稿头与投机解码。
+
+检查点里的 `mtp.*` 是一个只有一层的“草稿头”：训练时它学的是从主模型在位置 t 的隐藏状态
+h_t（最后一次 norm 之后）和 token t+1 的嵌入，预测 token t+2：
+
+    x = fc([pre_fc_norm_embedding(e_{t+1}), pre_fc_norm_hidden(h_t)])    （嵌入在前）
+    x = 一个门控全注意力解码层（自己的 KV 缓存，RoPE 位置 t）
+    token t+2 的 logits = lm_head(norm(x))                               （与主模型共用输出头）
+
+投机解码：主模型刚选出 token `last`，草稿头便宜地猜出后面的 d₁（再把自己的输出喂回去，
+还能猜 d₂、d₃…），主模型把 [last, d₁, …, d_k] 一次前向验证。CPU 上解码的时间几乎都花在
+读权重上，验证 k+1 个 token 与算 1 个差不多贵；主模型同意的前缀全部收下，再加上主模型自己在
+第一个分歧处给出的 token。输出与普通贪心解码逐 token 相同，猜对的 token 等于白送。
+
+回滚是难点。被拒绝的草稿已经改过每个 DeltaNet 层的记忆 S 和卷积窗口，而它们无法“减掉”一个 token：
+- 简单的做法（snapshot / rollback）：验证前把 DeltaNet 状态拷一份，有拒绝时恢复，再把收下的
+  token 重新喂一遍。每次拒绝多花一次前向。
+- 我们用的做法（与 vLLM、SGLang 相同）：验证时递推顺手记下每个位置之后的状态（几 MB），
+  再提交最后一个被接受的位置上的那一份；注意力的 KV 缓存只需截断。拒绝不再有额外代价。
+
+采样时用拒绝采样（Leviathan 等 2023）：草稿 x ~ q 以 min(1, p(x)/q(x)) 的概率接受，
+拒绝时从 normalize(max(0, p − q)) 里重新抽。这样输出的分布与只从 p 采样完全相同。
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import AttentionState
+from .cache import State
+from .layer import DecoderLayer
+from .norm import RMSNorm
+from .rope import rope_tables
+from .sample import check_sampling, make_generator, probabilities
+from .weights import check_state_dict, find_model, load_weights
+
+
+class MTP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
+        """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后，送进共用的 lm_head）。
+
+        第 i 行是位置 start + i 的一对 (h_t, e_{t+1})，预测位置 t + 2 的 token。
+        """
+        dtype = self.fc.weight.dtype
+        x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x = self.fc(x.to(dtype))  # [B, T, h]：嵌入在前，隐藏状态在后
+        T = x.shape[1]
+        cos, sin = rope_tables(self.cfg, torch.arange(start, start + T, device=x.device))
+        x = self.layers[0](x.float(), cos, sin, state)
+        return self.norm(x).to(dtype)
+
+    @classmethod
+    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype = torch.bfloat16) -> "MTP":
+        path = find_model(path)
+        sd = load_weights(path, "mtp.", dtype)
+        if not sd:
+            raise ValueError(f"检查点 {path} 里没有 mtp.* 张量：它没有 MTP 草稿头，不能做投机解码")
+        with torch.device("meta"):
+            mtp = cls(cfg)
+        check_state_dict({k: v.shape for k, v in mtp.state_dict().items()}, sd, f"检查点 {path} 的 MTP 草稿头")
+        mtp.load_state_dict(sd, assign=True)
+        return mtp.eval()
+
+
+def forward_hidden(model, ids, state=None, last: bool = False):
+    """主模型前向，同时返回 logits 与最后一次 norm 之后的隐藏状态 [B, T, h]。"""
+    hidden = model.hidden(ids, state)
+    logits = model.lm_head(hidden[:, -1:] if last else hidden).float()
+    return logits, hidden
+
+
+# ---------- 回滚的两种做法 ----------
+
+
+def snapshot(state: State):
+    """简单做法：拷下每个 DeltaNet 层的状态与 pos（注意力的 KV 缓存靠截断，无需拷贝）。"""
+    saved = [None if isinstance(s, AttentionState) else (s.conv.clone(), s.S.clone()) for s in state.layers]
+    return state.pos, saved
+
+
+def rollback(state: State, snap) -> None:
+    """恢复到 snapshot 时的样子。之后要把收下的 token 重新喂一遍（多一次前向）。"""
+    pos, saved = snap
+    for s, kept in zip(state.layers, saved):
+        if isinstance(s, AttentionState):
+            s.truncate(pos)
+        else:
+            s.conv, s.S = kept
+    state.pos = pos
+
+
+def keep_history(state: State, on: bool) -> None:
+    """让 DeltaNet 层在下一次前向里记下每个位置之后的状态。"""
+    for s in state.layers:
+        if not isinstance(s, AttentionState):
+            s.keep_history = on
+            s.history = None
+
+
+def commit(state: State, start: int, keep: int) -> None:
+    """我们的做法：上一次前向从位置 start 喂了若干 token，只保留前 keep 个的效果。
+
+    DeltaNet：卷积窗口是完整输入里紧接第 keep 个 token 之前的 3 列，S 取第 keep 个位置之后的那份；
+    注意力：KV 缓存截断到 start + keep。不需要任何重算。
+    """
+    for s in state.layers:
+        if isinstance(s, AttentionState):
+            s.truncate(start + keep)
+        else:
+            full, states = s.history  # full [B, C, 3 + T]，states [B, T, H, Dk, Dv]
+            width = full.shape[-1] - states.shape[1]  # 核宽 − 1
+            s.conv = full[..., keep : keep + width]
+            s.S = states[:, keep - 1]
+            s.history = None
+    state.pos = start + keep
+
+
+# ---------- 投机解码 ----------
+
+
+@dataclass
+class SpecResult:
+    """投机解码的详细结果。tokens、rounds、hits 即 generate_mtp 返回的三元组。"""
+
+    tokens: list = field(default_factory=list)  # 新 token（不含提示词）
+    rounds: int = 0  # 验证前向的次数
+    hits: int = 0  # 被接受并输出的草稿数
+    drafted: int = 0  # 起草的总数
+    accepted_at: list = field(default_factory=list)  # accepted_at[i]：第 i+1 个草稿位置通过验证的次数
+    tried_at: list = field(default_factory=list)  # tried_at[i]：第 i+1 个草稿位置被验证的次数（前面的都通过了）
+    trace: list = field(default_factory=list)  # 每轮 (起草数, 接受数, 本轮输出的 token)
+    forwards: int = 0  # 主模型前向次数（含预填充与重算）
+    state: State | None = None  # 结束时提交的主模型状态：与普通解码喂完同样 token 后的状态相同
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.drafted if self.drafted else 0.0
+
+
+def choose(logits, temperature, top_k, top_p, gen):
+    """logits [V] → (token, 概率分布或 None)。贪心时没有分布。"""
+    if temperature == 0:
+        return int(logits.argmax()), None
+    p = probabilities(logits, temperature, top_k, top_p)
+    return int(torch.multinomial(p, 1, generator=gen)), p
+
+
+def verify(drafts, qs, logits, temperature, top_k, top_p, gen):
+    """主模型的 logits [k+1, V] 检验 k 个草稿，返回 (接受数 n, 本轮的 token：d₁…d_n 加一个主模型的 token)。"""
+    for i, d in enumerate(drafts):
+        if temperature == 0:
+            target = int(logits[i].argmax())
+            if d != target:
+                return i, drafts[:i] + [target]
+            continue
+        p, q = probabilities(logits[i], temperature, top_k, top_p), qs[i]
+        if torch.rand((), generator=gen) >= min(1.0, float(p[d] / q[d])):  # 以 min(1, p/q) 接受
+            residual = (p - q).clamp(min=0)  # 拒绝：从 max(0, p − q) 里重抽
+            return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
+    bonus, _ = choose(logits[len(drafts)], temperature, top_k, top_p, gen)  # 全部接受：主模型再送一个
+    return len(drafts), drafts + [bonus]
+
+
+@torch.inference_mode()
+def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=1, temperature=0.0, top_k=None,
+              top_p=None, seed=None, recompute: bool = False) -> SpecResult:
+    """投机解码，返回 SpecResult。recompute=True 用课程里的简单回滚（快照 + 重算），用于对照。"""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens 至少为 1，收到 {draft_tokens!r}")
+    ids = model.check_ids(ids, None)
+    if ids.shape[0] != 1:
+        raise ValueError("投机解码一次处理一个提示词")
+    r = SpecResult(accepted_at=[0] * draft_tokens, tried_at=[0] * draft_tokens)
+    if max_new_tokens == 0:
+        return r
+    stop, gen = set(stop), make_generator(seed, ids.device)
+    state, mtp_state = State(model), AttentionState()
+    r.state = state
+    embed = model.embed_tokens
+
+    logits, hidden = forward_hidden(model, ids, state, last=True)  # 预填充
+    r.forwards = 1
+    last, _ = choose(logits[0, -1], temperature, top_k, top_p, gen)
+    r.tokens.append(last)
+    # 草稿头还没见过的 (h_t, e_{t+1}) 对：提示词的每个位置，下一轮开始时一并送进去
+    pend_hidden = hidden  # [1, T, h]
+    pend_tokens = torch.cat([ids[:, 1:], torch.tensor([[last]], device=ids.device)], dim=1)  # [1, T]
+    pend_start = 0
+
+    while last not in stop and len(r.tokens) < max_new_tokens:
+        k = min(draft_tokens, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
+        drafts, qs = [], []
+        if k > 0:  # 1. 起草
+            mtp_state.truncate(pend_start)  # 丢掉上一轮递归起草留下的推测条目
+            x = mtp(embed(pend_tokens), pend_hidden, pend_start, mtp_state)[:, -1:]  # [1, 1, h]
+            pos = pend_start + pend_tokens.shape[1]
+            for i in range(k):
+                d, q = choose(model.lm_head(x)[0, -1].float(), temperature, top_k, top_p, gen)
+                drafts.append(d)
+                qs.append(q)
+                if i + 1 < k:  # 递归：草稿头吃自己的输出，再猜下一个
+                    x = mtp(embed(torch.tensor([[d]], device=ids.device)), x, pos, mtp_state)
+                    pos += 1
+
+        # 2. 验证：[last, d₁, …, d_k] 一次前向
+        start = state.pos
+        feed = torch.tensor([[last] + drafts], device=ids.device)
+        snap = snapshot(state) if recompute else None
+        keep_history(state, not recompute)
+        logits, hidden = forward_hidden(model, feed, state)  # [1, k+1, V]
+        r.forwards += 1
+        r.rounds += 1
+
+        # 3. 接受最长的一致前缀，再加一个主模型的 token；遇到停止符或预算用完就截断
+        n, new = verify(drafts, qs, logits[0], temperature, top_k, top_p, gen)
+        emitted = []
+        for t in new:
+            emitted.append(t)
+            if t in stop or len(r.tokens) + len(emitted) == max_new_tokens:
+                break
+        m = len(emitted)  # 本轮喂进去的 token 里保留前 m 个：last 与 d₁…d_{m−1}
+
+        # 4. 提交状态
+        if recompute:
+            if m < k + 1:  # 有被丢弃的 token：恢复快照，再把保留的重新喂一遍
+                rollback(state, snap)
+                _, hidden = forward_hidden(model, feed[:, :m], state, last=True)
+                r.forwards += 1
+        else:
+            commit(state, start, m)
+        keep_history(state, False)
+
+        for i in range(k):
+            r.tried_at[i] += i <= n  # 第 i+1 个草稿真的被检验过：它前面的都被接受了
+            r.accepted_at[i] += i < n
+        r.hits += min(n, m)
+        r.drafted += k
+        r.trace.append((k, min(n, m), emitted))
+        r.tokens += emitted
+        last = emitted[-1]
+        pend_hidden, pend_tokens, pend_start = hidden[:, :m], torch.tensor([emitted], device=ids.device), start
+    return r
+
+
+def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=1, temperature=0.0, top_k=None,
+                 top_p=None, seed=None):
+    """投机解码，返回 (tokens, rounds, hits)。贪心时 tokens 与 generate(model, ids, …) 逐个相同。
+
+    要每个草稿位置的接受次数、逐轮轨迹或结束时的状态，请用 speculate()。
+    """
+    r = speculate(model, mtp, ids, max_new_tokens, stop, draft_tokens, temperature, top_k, top_p, seed)
+    return r.tokens, r.rounds, r.hits

@@ -1,0 +1,302 @@
+"""第 14 章：MTP 草稿头与投机解码。"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qwen import Model, State
+from qwen.mtp import MTP, forward_hidden, generate_mtp, speculate
+from qwen.sample import generate, probabilities
+
+
+@pytest.fixture(scope="module")
+def model(lively):
+    return Model.from_pretrained(lively[0], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def mtp(lively, model):
+    return MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32)
+
+
+def ids_of(T, seed=0, vocab=512):
+    return torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_mtp_matches_independent_formula(lively, model, mtp):
+    """用检查点张量与 transformers 的构件独立计算 MTP 公式，整段提示词逐位置比较。"""
+    from safetensors import safe_open
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5DecoderLayer, Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding,
+    )
+
+    path, hf = lively
+    raw = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as g:
+            raw.update({k[4:]: g.get_tensor(k).float() for k in g.keys() if k.startswith("mtp.")})
+    c = hf.config.__class__(**{**hf.config.to_dict(), "layer_types": ["full_attention"], "num_hidden_layers": 1})
+    layer = Qwen3_5DecoderLayer(c, 0).eval()
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in raw.items() if k.startswith("layers.0.")})
+    norms = {}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[n] = Qwen3_5RMSNorm(c.hidden_size, c.rms_norm_eps)
+        norms[n].weight.data = raw[f"{n}.weight"]
+    rot = Qwen3_5TextRotaryEmbedding(c)
+
+    ids = ids_of(70, seed=4)
+    T = ids.shape[1] - 1
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state[:, :T]  # 最后一次 norm 之后的隐藏状态 h_t
+        e = hf.model.embed_tokens(ids[:, 1:])  # e_{t+1}
+        x = torch.cat([norms["pre_fc_norm_embedding"](e), norms["pre_fc_norm_hidden"](h)], -1) @ raw["fc.weight"].T
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        pos = rot(x, torch.arange(T)[None])
+        ref = norms["norm"](layer(x, position_embeddings=pos, attention_mask=mask))
+        ours = mtp(model.embed_tokens(ids[:, 1:]), model.hidden(ids)[:, :T], 0, None)
+    assert ref.abs().max() > 0.5
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_mtp_incremental_cache_matches_one_shot(model, mtp):
+    from qwen.attention import AttentionState
+
+    ids = ids_of(30, seed=5)
+    with torch.no_grad():
+        h = model.hidden(ids)[:, :-1]
+        e = model.embed_tokens(ids[:, 1:])
+        full = mtp(e, h, 0, None)
+        s = AttentionState()
+        parts = [mtp(e[:, :10], h[:, :10], 0, s)] + [mtp(e[:, i : i + 3], h[:, i : i + 3], i, s) for i in range(10, 29, 3)]
+    assert (torch.cat(parts, 1) - full).abs().max().item() <= 1e-4
+
+
+def test_forward_hidden(model):
+    ids = ids_of(12)
+    with torch.no_grad():
+        logits, hidden = forward_hidden(model, ids)
+        assert torch.allclose(logits, model(ids), atol=1e-5)
+        assert hidden.shape == (1, 12, model.cfg.hidden_size)
+
+
+@pytest.mark.parametrize("T", [1, 2, 62, 63, 64, 65, 66, 100])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_speculative_equals_plain(model, mtp, T, k):
+    ids = ids_of(T, seed=T * 7 + k)
+    plain = generate(model, ids, 24)
+    tokens, rounds, hits = generate_mtp(model, mtp, ids, 24, draft_tokens=k)
+    assert tokens == plain
+    assert rounds >= 1 and 0 <= hits <= 24
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 80), k=st.integers(1, 4), n=st.integers(1, 20), seed=st.integers(0, 10_000))
+def test_greedy_speculative_equals_plain_property(model, mtp, T, k, n, seed):
+    ids = ids_of(T, seed=seed)
+    assert generate_mtp(model, mtp, ids, n, draft_tokens=k)[0] == generate(model, ids, n)
+
+
+@pytest.fixture(scope="module")
+def smooth(tiny):
+    """平稳的小模型（写回残差流的投影尺度 0.1）：一层的草稿头学得会它。"""
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    return model, MTP.from_pretrained(model.cfg, tiny[0], dtype=torch.float32), fit_mtp(model)
+
+
+class OracleMTP(torch.nn.Module):
+    """知道贪心续写的“草稿头”：以概率 a 猜对。真的 MTP 照样运行（它的代价照算），
+    只是把输出换成一个经共用 lm_head 后 argmax 为所选 token 的向量（该 token 的嵌入行）。"""
+
+    def __init__(self, model, mtp, sequence, a, seed=0):
+        super().__init__()
+        self.model, self.mtp, self.seq, self.a = model, mtp, sequence, a
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, emb_next, hidden, start, state):
+        x = self.mtp(emb_next, hidden, start, state)
+        t = start + x.shape[1] - 1  # 最后一行是位置 t 的一对 (h_t, e_{t+1})，要猜位置 t+2
+        target = self.seq[t + 2] if t + 2 < len(self.seq) else 0
+        if torch.rand((), generator=self.gen) >= self.a:
+            target = (target + 1) % self.model.cfg.vocab_size  # 故意猜错
+        E = self.model.embed_tokens.weight
+        x = x.clone()
+        x[:, -1] = E[target] * 10
+        assert int(self.model.lm_head(x[:, -1]).argmax()) == target
+        return x
+
+
+def fit_mtp(model, steps=300, seed=0):
+    """训练目标正是投机解码要的：给定 (h_t, e_{t+1})，猜主模型在位置 t+1 的贪心输出。
+    输入是随机 token 序列（多样，不会塌缩成重复），标签由主模型自己给出。"""
+    torch.manual_seed(seed)
+    head = MTP(model.cfg)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            if "norm" in n:
+                p.zero_()
+    data = torch.randint(3, model.cfg.vocab_size, (32, 64), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        hidden = model.hidden(data)  # [32, 64, h]
+        emb = model.embed_tokens(data)
+        target = model.lm_head(hidden).argmax(-1)  # 主模型在每个位置的贪心输出
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        x = head(emb[:, 1:], hidden[:, :-1], 0, None)  # 第 t 行：(h_t, e_{t+1})
+        loss = torch.nn.functional.cross_entropy(model.lm_head(x).flatten(0, 1), target[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)
+
+
+def test_acceptance_is_real_with_a_good_head(smooth):
+    model, mtp, good_mtp = smooth
+    good = bad = 0.0
+    for s in range(6):
+        ids = ids_of(8, seed=5000 + s)  # 没拟合过的提示词
+        r = speculate(model, good_mtp, ids, 40)
+        assert r.tokens == generate(model, ids, 40)
+        good += r.acceptance / 6
+        bad += speculate(model, mtp, ids, 40).acceptance / 6
+    assert good >= 0.6, good
+    assert bad <= 0.2, bad
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_stops_and_budget(model, mtp, k):
+    """停止符落在被接受的草稿上、落在主模型补的那个 token 上、或者就是第一个 token。"""
+    ids = ids_of(8, seed=5100 + k)
+    plain = generate(model, ids, 40)
+    seq = ids[0].tolist() + plain
+    r = speculate(model, OracleMTP(model, mtp, seq, 0.7, seed=k), ids, 40, draft_tokens=k)
+    assert r.tokens == plain and 0 < r.hits < r.drafted
+    # 每轮输出的 token 里，哪些是被接受的草稿、哪个是主模型补的
+    pos, draft_positions, bonus_positions = 0, [], []
+    for drafted, accepted, emitted in r.trace:
+        draft_positions += [pos + 1 + j for j in range(accepted)]
+        bonus_positions += [pos + 1 + accepted] if len(emitted) > accepted else []
+        pos += len(emitted)
+    cases = {"first": 0}
+    for name, where in (("draft", draft_positions), ("bonus", bonus_positions)):
+        for p in where:
+            if plain.index(plain[p]) == p:  # 这个 token 第一次出现在这里
+                cases[name] = p
+                break
+    assert "draft" in cases and "bonus" in cases
+    for name, p in cases.items():
+        oracle = OracleMTP(model, mtp, seq, 0.7, seed=k)  # 同样的猜测序列：停止符落在同样的位置上
+        out = generate_mtp(model, oracle, ids, 40, stop=[plain[p]], draft_tokens=k)[0]
+        assert out == plain[: p + 1] == generate(model, ids, 40, stop=[plain[p]]), name
+    for n in range(1, 9):
+        assert generate_mtp(model, OracleMTP(model, mtp, seq, 0.7), ids, n, draft_tokens=k)[0] == plain[:n]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("n", [5, 17, 30])
+def test_rollback_is_exact(model, mtp, n, recompute):
+    """结束时的状态与普通解码喂完同样 token 后的状态一样：下一个 token 的 logits 相同。"""
+    ids = ids_of(20, seed=n)
+    plain_tokens = generate(model, ids, n)
+    oracle = OracleMTP(model, mtp, ids[0].tolist() + plain_tokens, 0.6, seed=n)
+    r = speculate(model, oracle, ids, n, draft_tokens=3, recompute=recompute)
+    assert r.tokens == plain_tokens and (n < 10 or 0 < r.hits < r.drafted)
+    plain = State(model)
+    with torch.inference_mode():  # r.state 是在 inference_mode 里建的
+        model(torch.cat([ids, torch.tensor([r.tokens[:-1]], dtype=torch.long)], 1) if n > 1 else ids, plain)
+        a = model(torch.tensor([[r.tokens[-1]]]), plain)
+        b = model(torch.tensor([[r.tokens[-1]]]), r.state)
+    assert r.state.pos == plain.pos
+    assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_no_recomputation(model, mtp, monkeypatch):
+    """有拒绝的一次运行里，主模型前向次数 = 验证轮数 + 1 次预填充。"""
+    calls = []
+    original = Model.hidden
+
+    def counted(self, ids, state=None):
+        calls.append(ids.shape[-1])
+        return original(self, ids, state)
+
+    monkeypatch.setattr(Model, "hidden", counted)
+    ids = ids_of(10, seed=9)
+    r = speculate(model, mtp, ids, 30, draft_tokens=2)
+    assert r.drafted > r.hits  # 确实有被拒绝的草稿
+    assert len(calls) == r.rounds + 1 == r.forwards
+    calls.clear()
+    r2 = speculate(model, mtp, ids, 30, draft_tokens=2, recompute=True)  # 课程里的做法：每次拒绝多一次前向
+    assert r2.tokens == r.tokens
+    assert len(calls) == r2.forwards > r2.rounds + 1
+
+
+def test_bad_arguments(model, mtp, tmp_path):
+    ids = ids_of(4)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        generate_mtp(model, mtp, ids, 5, draft_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        generate_mtp(model, mtp, ids, 5, temperature=-1)
+    from checkpoints import make_checkpoint
+
+    path, _ = make_checkpoint(tmp_path / "nomtp", seed=3, mtp=False, tokenizer=False)
+    with pytest.raises(ValueError, match="没有 MTP 草稿头"):
+        MTP.from_pretrained(model.cfg, path)
+
+
+# ---------- 采样：输出分布与普通采样相同 ----------
+
+
+def small_model_and_heads():
+    from qwen import Config
+
+    torch.manual_seed(0)
+    cfg = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=8, linear_value_head_dim=8)
+    m = Model(cfg).eval()
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_(0, 0.1)  # 分布足够分散：前两个 token 都有十来个候选
+    torch.manual_seed(1)
+    head = MTP(cfg).eval()
+    bad = MTP(cfg).eval()
+    with torch.no_grad():
+        for p in bad.parameters():
+            p.normal_(0, 2.0)  # 故意很差、很自信的草稿头
+    return m, head, bad
+
+
+def exact_two_token_distribution(m, ids, temperature, top_k, top_p):
+    """普通采样下前两个 token 的精确联合分布 P(x1, x2)。"""
+    V = m.cfg.vocab_size
+    with torch.no_grad():
+        p1 = probabilities(m(ids)[0, -1], temperature, top_k, top_p)
+        ext = torch.cat([ids.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p2 = probabilities(m(ext)[:, -1], temperature, top_k, top_p)  # [V, V]：给定 x1 时 x2 的分布
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("which,k", [("head", 1), ("bad", 1), ("bad", 2)])
+def test_speculative_sampling_distribution(which, k):
+    """N = 3000 次带种子的投机采样，前两个 token 的边缘分布与普通采样的精确分布一致：
+    每个词的频率偏差不超过 5 个标准差加 0.003，总变差距离 < 0.05。"""
+    m, head, bad = small_model_and_heads()
+    drafter = head if which == "head" else bad
+    ids = torch.tensor([[1, 2, 3]])
+    temperature, top_k, top_p = 1.0, 12, 0.95
+    joint = exact_two_token_distribution(m, ids, temperature, top_k, top_p)
+    N, V = 3000, m.cfg.vocab_size
+    counts = torch.zeros(V, V)
+    drafted = hits = 0
+    for s in range(N):
+        # 预算 k+2：第二个 token 来自一次带 k 个草稿的验证
+        r = speculate(m, drafter, ids, k + 2, draft_tokens=k, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)
+        counts[r.tokens[0], r.tokens[1]] += 1
+        drafted, hits = drafted + r.drafted, hits + r.hits
+    assert drafted > 0 and (0 < hits < drafted)  # 有接受也有拒绝
+    for marginal, expected in ((counts.sum(1) / N, joint.sum(1)), (counts.sum(0) / N, joint.sum(0))):
+        sd = (expected * (1 - expected) / N).sqrt()
+        assert ((marginal - expected).abs() <= 5 * sd + 0.003).all()
+        assert 0.5 * (marginal - expected).abs().sum() < 0.05
+    assert 0.5 * (counts / N - joint).abs().sum() < 0.1  # 联合分布也接近
