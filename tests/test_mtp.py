@@ -300,3 +300,19 @@ def test_speculative_sampling_distribution(which, k):
         assert ((marginal - expected).abs() <= 5 * sd + 0.003).all()
         assert 0.5 * (marginal - expected).abs().sum() < 0.05
     assert 0.5 * (counts / N - joint).abs().sum() < 0.1  # 联合分布也接近
+
+
+def test_chapter_script_runs(lively):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "ch14_mtp.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--model", str(lively[0]), "--max-new-tokens", "8", "--draft-tokens", "2",
+         "--dtype", "float32", "--prompt", "你好"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("输出逐 token 相同：是") == 3
+    assert out.stdout.count("加速比") == 3 and "MTP 草稿头" in out.stdout and "接受率" in out.stdout

@@ -1,0 +1,90 @@
+"""第 14 章 · 实验：普通贪心解码 vs. MTP 草稿头驱动的投机解码。
+
+对每个提示词分别跑两种解码（同样的 max_new_tokens），打印速度、验证轮数、接受率、
+两者输出是否逐 token 相同，以及加速比。在终端里，被接受的草稿 token 会高亮显示。
+
+    python ch14_mtp.py                      # 默认：find_model() 找到的 Qwen3.5-0.8B
+    python ch14_mtp.py --model /path/to/ckpt --draft-tokens 2 --dtype bfloat16 --threads 2
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+from qwen.chat import Chat, build_prompt
+from qwen.model import Model
+from qwen.mtp import MTP, speculate
+from qwen.sample import generate
+
+PROMPTS = ["用一句话介绍一下 Transformer。", "写一段 200 字的短文，介绍长江。"]
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def highlight(chat, result, color: bool) -> str:
+    """把回答拼出来；终端里被接受的草稿 token 用绿色背景标出。"""
+    if not color:
+        return chat.decode(result.tokens)
+    pieces = [chat.decode(result.tokens[:1])]
+    for drafted, accepted, emitted in result.trace:
+        if accepted:
+            pieces.append("\x1b[42m" + chat.decode(emitted[:accepted]) + "\x1b[0m")
+        pieces.append(chat.decode(emitted[accepted:]))
+    return "".join(pieces)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="检查点文件夹（默认 find_model()）")
+    p.add_argument("--prompt", action="append", default=[], help="再加一个提示词（可重复）")
+    p.add_argument("--max-new-tokens", type=int, default=120)
+    p.add_argument("--draft-tokens", type=int, default=1, help="每轮起草几个 token")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    try:
+        model = Model.from_pretrained(args.model, dtype=DTYPES[args.dtype])
+        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=DTYPES[args.dtype])
+        chat = Chat(model)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"错误：{e}")
+
+    n_params = sum(t.numel() for t in mtp.parameters())
+    print(f"MTP 草稿头：{n_params / 1e6:.1f}M 参数（与主模型共用嵌入和输出头）")
+    for name, module in mtp.named_children():
+        print(f"  {name}: {sum(t.numel() for t in module.parameters()) / 1e6:.2f}M")
+    print(f"线程 {torch.get_num_threads()}，dtype {args.dtype}，每轮起草 {args.draft_tokens} 个 token\n")
+
+    color = sys.stdout.isatty()
+    for text in PROMPTS + args.prompt:
+        ids = chat.encode(build_prompt([{"role": "user", "content": text}]))
+        generate(model, ids, 2)  # 预热：第一次调用有一次性的开销
+        t0 = time.perf_counter()
+        plain = generate(model, ids, args.max_new_tokens, chat.stop)
+        t1 = time.perf_counter()
+        r = speculate(model, mtp, ids, args.max_new_tokens, chat.stop, draft_tokens=args.draft_tokens)
+        t2 = time.perf_counter()
+        a, b = t1 - t0, t2 - t1
+        print(f"提示词：{text}")
+        print(f"  普通贪心：{len(plain)} 个 token，{a:.2f} 秒，{len(plain) / a:.1f} token/s")
+        print(f"  投机解码：{len(r.tokens)} 个 token，{b:.2f} 秒，{len(r.tokens) / b:.1f} token/s")
+        print(f"  验证轮数 {r.rounds}，起草 {r.drafted}，接受 {r.hits}，接受率 {r.acceptance:.0%}")
+        if args.draft_tokens > 1:
+            rates = ", ".join(f"{acc}/{tried}" for acc, tried in zip(r.accepted_at, r.tried_at))
+            print(f"  各草稿位置（接受/验证）：{rates}")
+        print(f"  输出逐 token 相同：{'是' if plain == r.tokens else '否'}")
+        answer = chat.decode([t for t in plain if t not in chat.stop])
+        print(f"  回答前 60 字：{answer[:60]!r}")
+        print(f"  加速比：{a / b:.2f}×")
+        if color:
+            print("  （绿色是草稿头猜对、白送的 token）")
+            print("  " + highlight(chat, r, color).replace("\n", "\n  "))
+        print()
+
+
+if __name__ == "__main__":
+    main()
