@@ -170,6 +170,21 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
     return path, hf
 
 
+def small_model(vocab_size: int, embed_std: float, seed: int = 0, **overrides):
+    """直接用我们的 Config 搭一个极小的随机模型（不经过检查点），给采样与错误处理的测试用。"""
+    from qwen import Config, Model
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+              linear_key_head_dim=8, linear_value_head_dim=8)
+    kw.update(overrides)
+    m = Model(Config(**kw)).eval()
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_(0, embed_std)  # 也是输出头：它的尺度决定分布有多尖
+    return m
+
+
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "你好，世界！今天天气很好。我们来学习 Transformer 与长江。",

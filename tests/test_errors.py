@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwen import Config, Model, find_model, load_config
+from qwen import Model, find_model, load_config
 
 
 def single_file_copy(src, dst, edit=None):
@@ -90,11 +90,9 @@ def test_missing_shard(tiny, tmp_path):
 
 @pytest.fixture(scope="module")
 def small():
-    torch.manual_seed(0)
-    cfg = Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-                 linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=16)
-    return Model(cfg).eval()
+    from checkpoints import small_model
+
+    return small_model(64, embed_std=0.02, max_position_embeddings=16)
 
 
 def test_empty_ids(small):

@@ -85,15 +85,10 @@ def test_sampling_distribution_matches(temperature, top_k, top_p):
     小词表模型，N = 4000 次抽样；每个词的频率与期望概率之差不超过 5 个标准差
     （sqrt(p(1-p)/N)）再加 0.002，且总变差距离 < 0.04。种子固定，不会偶然失败。
     """
-    from qwen import Config
+    from checkpoints import small_model
 
-    torch.manual_seed(0)
-    cfg = Config(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-                 linear_key_head_dim=8, linear_value_head_dim=8)
-    m = Model(cfg).eval()
-    with torch.no_grad():
-        m.embed_tokens.weight.normal_(0, 0.5)
+    m = small_model(24, embed_std=0.5)
+    cfg = m.cfg
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         logits = m(ids)[:, -1]  # [1, V]

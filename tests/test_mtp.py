@@ -249,15 +249,10 @@ def test_bad_arguments(model, mtp, tmp_path):
 
 
 def small_model_and_heads():
-    from qwen import Config
+    from checkpoints import small_model
 
-    torch.manual_seed(0)
-    cfg = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-                 linear_key_head_dim=8, linear_value_head_dim=8)
-    m = Model(cfg).eval()
-    with torch.no_grad():
-        m.embed_tokens.weight.normal_(0, 0.1)  # 分布足够分散：前两个 token 都有十来个候选
+    m = small_model(16, embed_std=0.1)  # 分布足够分散：前两个 token 都有十来个候选
+    cfg = m.cfg
     torch.manual_seed(1)
     head = MTP(cfg).eval()
     bad = MTP(cfg).eval()
