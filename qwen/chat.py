@@ -10,7 +10,6 @@
 0.8B 默认不思考，模板用一个空的 `<think>\\n\\n</think>\\n\\n` 表达；要思考时只开一个 `<think>\\n`。
 """
 
-import os
 from pathlib import Path
 
 import torch

@@ -34,7 +34,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: i
     if keep_all:
         raise ValueError("分块形式不保存逐位置状态；逐位置状态请用递推形式")
     B, H, T, Dk = k.shape
-    Dv = v.shape[-1]
     pad = (-T) % chunk  # 末尾补到 64 的倍数：补的位置 β = 0、g = 0，不改变记忆
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))

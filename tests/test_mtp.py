@@ -1,7 +1,5 @@
 """第 14 章：MTP 草稿头与投机解码。"""
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
