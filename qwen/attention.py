@@ -18,6 +18,7 @@ from torch import nn
 
 from .norm import RMSNorm
 from .rope import apply_rope
+from .weights import Linear
 
 
 class AttentionState:
@@ -69,10 +70,10 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=False)  # 查询与门，按头交错
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d * 2, bias=False)  # 查询与门，按头交错
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm import GatedRMSNorm
+from .weights import Linear
 
 
 class DeltaNetState:
@@ -81,15 +82,15 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         conv_dim = 2 * self.key_dim + self.value_dim  # q、k、v 拼在一起卷积：6144
         h = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)  # 行依次是 q、k、v
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)  # 输出门
-        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)  # β 的 logit
-        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)  # 衰减的输入
+        self.in_proj_qkv = Linear(h, conv_dim, bias=False)  # 行依次是 q、k、v
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)  # 输出门
+        self.in_proj_b = Linear(h, self.num_v_heads, bias=False)  # β 的 logit
+        self.in_proj_a = Linear(h, self.num_v_heads, bias=False)  # 衰减的输入
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False)  # 权重 [C, 1, 4]
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def causal_conv(self, x: torch.Tensor, state: DeltaNetState | None):
         """因果深度卷积：x [B, T, C] → [B, T, C]。返回 (输出, 拼上历史后的完整输入 [B, C, 3 + T])。"""

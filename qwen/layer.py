@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, state=None, valid=None):
         """x [B, T, hidden] float32；cos、sin 来自 rope_tables；state 是本层的缓存；valid [B, L] 标出真实 token。"""
-        dtype = self.mlp.down_proj.weight.dtype  # 矩阵乘法用权重的 dtype（bfloat16 或 float32）
+        dtype = self.mlp.down_proj.dtype  # 矩阵乘法用权重的 dtype（bfloat16 或 float32）
         h = self.input_layernorm(x).to(dtype)
         if self.layer_type == "linear_attention":
             T = x.shape[1]

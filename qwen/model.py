@@ -20,7 +20,7 @@ from .embedding import Embedding
 from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
-from .weights import Config, check_state_dict, find_model, load_config, load_weights
+from .weights import Config, Linear, check_state_dict, find_model, load_config, load_weights, pack_linears
 
 
 class Model(nn.Module):
@@ -30,7 +30,7 @@ class Model(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # 共用同一个参数
 
@@ -79,8 +79,12 @@ class Model(nn.Module):
         return self.lm_head(h).float()
 
     @classmethod
-    def from_pretrained(cls, path=None, dtype: torch.dtype = torch.bfloat16) -> "Model":
-        """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。"""
+    def from_pretrained(cls, path=None, dtype: torch.dtype = torch.bfloat16, pack: bool = True) -> "Model":
+        """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。
+
+        pack=True（默认）时在 CPU 上把矩阵打包成 oneDNN 布局（第 1 章的 Linear.pack）：
+        只影响速度。要训练或修改权重时用 pack=False。
+        """
         path = find_model(path)
         cfg = load_config(path)
         with torch.device("meta"):
@@ -94,5 +98,7 @@ class Model(nn.Module):
         model.load_state_dict(sd, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
+        if pack:  # 共用的嵌入矩阵查表还要用，lm_head 另存一份打包的
+            pack_linears(model, keep=(model.lm_head,) if cfg.tie_word_embeddings else ())
         model.path = path
         return model.eval()

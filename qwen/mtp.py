@@ -33,7 +33,7 @@ from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
-from .weights import check_state_dict, find_model, load_weights
+from .weights import Linear, check_state_dict, find_model, load_weights, pack_linears
 
 
 class MTP(nn.Module):
@@ -41,7 +41,7 @@ class MTP(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
@@ -52,7 +52,7 @@ class MTP(nn.Module):
 
         第 i 行是位置 start + i 的一对 (h_t, e_{t+1})，预测位置 t + 2 的 token。
         """
-        dtype = self.fc.weight.dtype
+        dtype = self.fc.dtype
         x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x.to(dtype))  # [B, T, h]：嵌入在前，隐藏状态在后
         T = x.shape[1]
@@ -61,7 +61,7 @@ class MTP(nn.Module):
         return self.norm(x).to(dtype)
 
     @classmethod
-    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype = torch.bfloat16) -> "MTP":
+    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype = torch.bfloat16, pack: bool = True) -> "MTP":
         path = find_model(path)
         sd = load_weights(path, "mtp.", dtype)
         if not sd:
@@ -70,6 +70,8 @@ class MTP(nn.Module):
             mtp = cls(cfg)
         check_state_dict({k: v.shape for k, v in mtp.state_dict().items()}, sd, f"检查点 {path} 的 MTP 草稿头")
         mtp.load_state_dict(sd, assign=True)
+        if pack:
+            pack_linears(mtp)
         return mtp.eval()
 
 

@@ -15,7 +15,17 @@ def prompt(vocab, T, seed=0):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny):
-    return Model.from_pretrained(tiny[0], dtype=torch.float32)
+    """普通布局（不打包）：逐位与参考实现比，容差 1e-4。"""
+    return Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)
+
+
+@pytest.fixture(scope="module")
+def packed_model(tiny):
+    """默认加载：矩阵打包成 oneDNN 布局（累加顺序不同，差在 float32 舍入的量级）。"""
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    assert model.layers[0].mlp.up_proj.packed is not None and model.layers[0].mlp.up_proj.weight is None
+    assert model.lm_head.packed is not None and model.embed_tokens.weight is not None
+    return model
 
 
 @pytest.mark.parametrize("T", LENGTHS)
@@ -29,6 +39,28 @@ def test_logits_match_transformers_tiny(tiny, tiny_model, T):
     assert ours.shape == ref.shape == (1, T, tiny_model.cfg.vocab_size)
     assert ref.abs().max() > 1.0  # logits 在 1 的量级，不是几乎全零
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+def test_packed_logits_match_transformers(tiny, packed_model, T):
+    ids = prompt(packed_model.cfg.vocab_size, T, seed=T)
+    with torch.no_grad():
+        ref = tiny[1](ids).logits
+        ours = packed_model(ids)
+    assert (ours - ref).abs().max().item() <= 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4])
+def test_packed_incremental_equals_one_shot(tiny_model, packed_model, step):
+    """打包的模型一次喂 1～4 个 token（解码、验证草稿），与普通布局一次性前向一致。"""
+    ids = prompt(512, 40, seed=step)
+    with torch.no_grad():
+        full = tiny_model(ids)
+        state = State(packed_model)
+        parts = [packed_model(ids[:, :30], state)]
+        parts += [packed_model(ids[:, i : i + step], state) for i in range(30, 40, step)]
+    assert (torch.cat(parts, 1) - full).abs().max().item() <= 1e-3
 
 
 @pytest.mark.parametrize("T", LENGTHS)
@@ -51,7 +83,7 @@ _cache = {}
 
 def _w08b_model(path):
     if path not in _cache:
-        _cache[path] = Model.from_pretrained(path, dtype=torch.float32)
+        _cache[path] = Model.from_pretrained(path, dtype=torch.float32, pack=False)
     return _cache[path]
 
 
@@ -137,7 +169,7 @@ def test_bfloat16_greedy_agrees_with_float32(widths08b):
     path, _ = widths08b
     m32 = _w08b_model(path)
     m16 = Model.from_pretrained(path, dtype=torch.bfloat16)
-    assert m16.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.bfloat16
+    assert m16.layers[0].linear_attn.in_proj_qkv.dtype == torch.bfloat16
     assert m16.layers[0].linear_attn.A_log.dtype == torch.float32
     ids = prompt(m32.cfg.vocab_size, 64, seed=3)
     state = State(m16)
