@@ -17,6 +17,10 @@
 
 U'、W、(QKᵀ)⊙Γ 只依赖本块的输入，可以对所有块同时算；只有最后两行要按块顺序走。
 全部运算都可求导（附录的训练章用同一份代码）。
+
+投机解码验证几个 token 时（第 14 章）也走这里：比一块短的输入就是一块，
+几次矩阵乘法一口气算完，不必逐 token 走十几个小运算。回滚要的“每个位置之后的记忆”不必全算出来：
+记下 (S₀, G, K, U)，第 7 章的 state_after 能按需重建任何一个位置之后的那一份。
 """
 
 import torch
@@ -27,13 +31,14 @@ CHUNK = 64
 
 def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: int = CHUNK):
     """与 recurrent_gated_delta_rule 同签名：q、k [B, H, T, Dk]，v [B, H, T, Dv]，g、beta [B, H, T]，
-    S [B, H, Dk, Dv]，全部 float32。返回 (输出 [B, H, T, Dv], 最终 S, None)。
+    S [B, H, Dk, Dv]，全部 float32。返回 (输出 [B, H, T, Dv], 最终 S, keep_all 时的 (S₀, G, K, U) 或 None)。
 
-    分块形式不记录每个位置之后的状态（keep_all 只在短的验证序列上用，那里走递推）。
+    比一块短的输入就是一块（不补齐）。keep_all 只支持这种单块输入：验证草稿时只有几个 token。
     """
-    if keep_all:
-        raise ValueError("分块形式不保存逐位置状态；逐位置状态请用递推形式")
     B, H, T, Dk = k.shape
+    chunk = min(chunk, T)
+    if keep_all and T > chunk:
+        raise ValueError(f"逐位置状态只在不超过一块（{chunk} 个 token）的输入上计算")
     pad = (-T) % chunk  # 末尾补到 64 的倍数：补的位置 β = 0、g = 0，不改变记忆
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -56,10 +61,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: i
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # K ⊙ e^{G_C − G}：写到块末
     chunk_decay = G[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]：e^{G_C}
 
-    outs = []
+    outs, parts = [], None
     for n in range(N):  # 块之间串行
         U = U_[:, :, n] - W[:, :, n] @ S  # [B, H, C, Dv]：本块真正写入的值
         outs.append(q_decayed[:, :, n] @ S + QK[:, :, n] @ U)  # [B, H, C, Dv]
+        if keep_all:  # 只有一块：state_after 要的量
+            parts = (S, G[:, :, 0], k[:, :, 0], U)
         S = chunk_decay[:, :, n] * S + k_decayed[:, :, n].transpose(-1, -2) @ U
     o = torch.cat(outs, dim=2)[:, :, :T]  # [B, H, T, Dv]：去掉补的位置
-    return o, S, None
+    return o, S, parts

@@ -34,8 +34,8 @@ class DeltaNetState:
 
     conv: [B, 通道, 核宽 − 1]，最近 3 个 in_proj_qkv 输出（卷积要往回看 3 步）
     S:    [B, v_heads, 128, 128]，float32 的记忆矩阵
-    keep_history: 为真时，递推把每个位置之后的状态记进 history = (完整卷积输入, 每个位置之后的 S)，
-                  投机解码靠它零代价回滚（第 14 章）
+    keep_history: 为真时，前向顺手记下 history = (完整卷积输入, 重建每个位置之后 S 所需的量)，
+                  投机解码靠它零代价回滚（第 14 章，见 state_after）
     """
 
     def __init__(self):
@@ -52,10 +52,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False):
     """逐 token 递推。q、k [B, H, T, Dk]，v [B, H, T, Dv]，g、beta [B, H, T]，S [B, H, Dk, Dv]。
 
-    返回 (输出 [B, H, T, Dv], 最终 S, 每个位置之后的 S [B, T, H, Dk, Dv] 或 None)。全部 float32。
+    返回 (输出 [B, H, T, Dv], 最终 S, keep_all 时 state_after 要的 (S₀, G, K, U)，否则 None)。全部 float32。
     """
     T = q.shape[2]
-    outs, states = [], []
+    S0, outs, writes = S, [], []
     decay = g.exp()  # [B, H, T]
     for t in range(T):
         k_t, q_t = k[:, :, t], q[:, :, t]  # [B, H, Dk]
@@ -64,10 +64,21 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False):
         delta = (v[:, :, t] - pred) * beta[:, :, t, None]  # β(v − Sᵀk)
         S = S + k_t[..., :, None] * delta[..., None, :]  # S ← S + k ⊗ δ
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q_t))  # o = Sᵀq
-        if keep_all:
-            states.append(S)
+        writes.append(delta)
     o = torch.stack(outs, dim=2)  # [B, H, T, Dv]
-    return o, S, (torch.stack(states, dim=1) if keep_all else None)
+    return o, S, ((S0, g.cumsum(-1), k, torch.stack(writes, dim=2)) if keep_all else None)
+
+
+def state_after(parts, t: int) -> torch.Tensor:
+    """第 t 个位置（从 0 数）之后的记忆，由一次前向记下的 (S₀, G, K, U) 重建，形状 [B, H, Dk, Dv]。
+
+    把递推展开：每一步先整体衰减，再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
+        S_t = e^{G_t} S₀ + Σ_{j≤t} e^{G_t − G_j} k_j ⊗ u_j,     G_t = g₀ + … + g_t
+    投机解码拒绝草稿时，只需按这个式子算出被接受的最后一个位置之后的那一份，不必重算前向。
+    """
+    S0, G, k, U = parts  # S₀ [B, H, Dk, Dv]；G [B, H, T]；k [B, H, T, Dk]；U [B, H, T, Dv]
+    w = (G[:, :, t, None] - G[:, :, : t + 1]).exp()  # [B, H, t+1]：e^{G_t − G_j}
+    return G[:, :, t, None, None].exp() * S0 + (k[:, :, : t + 1] * w[..., None]).transpose(-1, -2) @ U[:, :, : t + 1]
 
 
 class GatedDeltaNet(nn.Module):
@@ -131,7 +142,7 @@ class GatedDeltaNet(nn.Module):
             state.S = S
             state.conv = full[..., -(self.kernel - 1):]  # 新窗口：最后 3 个输入
             if keep:
-                state.history = (full, states)  # 每个位置之后的窗口可从 full 切出，S 在 states 里
+                state.history = (full, states)  # 每个位置之后的窗口可从 full 切出，S 由 state_after 重建
 
         z = self.in_proj_z(x).view(B, T, Hv, Dv)
         o = self.norm(o.transpose(1, 2), z)  # [B, T, Hv, Dv]：逐头门控 RMSNorm

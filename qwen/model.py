@@ -96,6 +96,7 @@ class Model(nn.Module):
             sd.pop("lm_head.weight", None)
         check_state_dict(expected, sd, f"检查点 {path}")
         model.load_state_dict(sd, strict=False, assign=True)
+        del sd  # 此后只有模型引用这些张量：打包时每换掉一个矩阵，旧的那份立刻释放
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
         if pack:  # 共用的嵌入矩阵查表还要用，lm_head 另存一份打包的

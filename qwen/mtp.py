@@ -29,11 +29,20 @@ from torch import nn
 
 from .attention import AttentionState
 from .cache import State
+from .deltanet import state_after
 from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
-from .weights import Linear, check_state_dict, find_model, load_weights, pack_linears
+from .weights import Linear, check_state_dict, find_model, load_rows, load_weights, pack_linears
+
+# 起草只给词表前这么多个 token 打分。BPE 词表按合并顺序编号，靠前的 id 是训练语料里最常见的片段；
+# 草稿只是猜测，猜不到冷门 token 只是少接受一次，输出仍由主模型的验证决定，与贪心逐 token 相同。
+DRAFT_VOCAB = 32768
+# 每多起草一个 token，一轮的代价约多出一次普通解码步的这么多倍（草稿头一次前向 + 验证多一行）。
+# 打包后的矩阵乘法读一遍权重就能算好几行，所以很小；没打包时多一行几乎多一整步。
+EXTRA_COST_PACKED, EXTRA_COST_PLAIN = 0.08, 0.9
+MAX_DRAFTS = 4
 
 
 class MTP(nn.Module):
@@ -46,6 +55,7 @@ class MTP(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.draft_head = None  # 只含词表前 DRAFT_VOCAB 行的输出头；None 时用主模型的 lm_head 给全词表打分
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后，送进共用的 lm_head）。
@@ -60,8 +70,33 @@ class MTP(nn.Module):
         x = self.layers[0](x.float(), cos, sin, state)
         return self.norm(x).to(dtype)
 
+    def draft(self, model, tokens, hidden, start: int, k: int, state: AttentionState, temperature=0.0,
+              top_k=None, top_p=None, gen=None):
+        """起草 k 个 token，返回 (草稿列表, 每个草稿的分布 q 或 None)。
+
+        tokens、hidden [1, T]、[1, T, h]：草稿头还没见过的 (e_{t+1}, h_t) 对，从位置 start 起。
+        第一个草稿来自最后一对；之后草稿头吃自己的输出（它的 x 当作下一步的 h），再猜下一个。
+        """
+        embed, head = model.embed_tokens, self.draft_head or model.lm_head
+        state.truncate(start)  # 丢掉上一轮递归起草留下的推测条目
+        x = self(embed(tokens), hidden, start, state)[:, -1:]  # [1, 1, h]
+        pos = start + tokens.shape[1]
+        drafts, qs = [], []
+        for i in range(k):
+            d, q = choose(head(x)[0, -1].float(), temperature, top_k, top_p, gen)
+            if q is not None and q.shape[0] < model.cfg.vocab_size:  # 子词表上的分布补成全词表
+                q = torch.cat([q, q.new_zeros(model.cfg.vocab_size - q.shape[0])])
+            drafts.append(d)
+            qs.append(q)
+            if i + 1 < k:
+                x = self(embed(torch.tensor([[d]], device=x.device)), x, pos, state)
+                pos += 1
+        return drafts, qs
+
     @classmethod
-    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype = torch.bfloat16, pack: bool = True) -> "MTP":
+    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype = torch.bfloat16, pack: bool = True,
+                        draft_vocab: int | None = DRAFT_VOCAB) -> "MTP":
+        """读检查点里的 mtp.*。draft_vocab：起草时只给前这么多个 token 打分（None 为全词表）。"""
         path = find_model(path)
         sd = load_weights(path, "mtp.", dtype)
         if not sd:
@@ -70,6 +105,11 @@ class MTP(nn.Module):
             mtp = cls(cfg)
         check_state_dict({k: v.shape for k, v in mtp.state_dict().items()}, sd, f"检查点 {path} 的 MTP 草稿头")
         mtp.load_state_dict(sd, assign=True)
+        del sd
+        if draft_vocab is not None and draft_vocab < cfg.vocab_size:
+            key = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            mtp.draft_head = Linear(cfg.hidden_size, draft_vocab, bias=False, device="meta")
+            mtp.draft_head.weight = nn.Parameter(load_rows(path, key, draft_vocab, dtype), requires_grad=False)
         if pack:
             pack_linears(mtp)
         return mtp.eval()
@@ -120,10 +160,10 @@ def commit(state: State, start: int, keep: int) -> None:
         if isinstance(s, AttentionState):
             s.truncate(start + keep)
         else:
-            full, states = s.history  # full [B, C, 3 + T]，states [B, T, H, Dk, Dv]
-            width = full.shape[-1] - states.shape[1]  # 核宽 − 1
+            full, parts = s.history  # full [B, C, 3 + T]：窗口从这里切；parts 给 state_after
+            width = full.shape[-1] - parts[1].shape[-1]  # 核宽 − 1
             s.conv = full[..., keep : keep + width]
-            s.S = states[:, keep - 1]
+            s.S = state_after(parts, keep - 1)
             s.history = None
     state.pos = start + keep
 
@@ -174,23 +214,43 @@ def verify(drafts, qs, logits, temperature, top_k, top_p, gen):
     return len(drafts), drafts + [bonus]
 
 
+def extra_cost(model) -> float:
+    """每多起草一个 token，一轮多花的时间（以一次普通解码步为 1）。"""
+    return EXTRA_COST_PACKED if model.lm_head.packed is not None or model.lm_head.weight.is_cuda else EXTRA_COST_PLAIN
+
+
+def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRAFTS) -> int:
+    """按目前观察到的接受率挑每轮起草几个：最大化 每轮期望产出 / 每轮代价。
+
+    每个草稿以概率 a 被接受（前面的都接受了才轮到它），一轮期望产出 (1 − a^(k+1)) / (1 − a) 个 token，
+    代价约 1 + cost·k 个普通解码步。a 用第一个草稿位置的接受次数估计，先验是“2 次里对 1 次”。
+    """
+    a = min((accepted + 1) / (tried + 2), 0.99)
+    return max(range(1, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
+
+
 @torch.inference_mode()
-def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=1, temperature=0.0, top_k=None,
+def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
               top_p=None, seed=None, recompute: bool = False) -> SpecResult:
-    """投机解码，返回 SpecResult。recompute=True 用课程里的简单回滚（快照 + 重算），用于对照。"""
+    """投机解码，返回 SpecResult。
+
+    draft_tokens：每轮起草几个；None（默认）时按观察到的接受率自动挑（best_draft_count）。
+    recompute=True 用课程里的简单回滚（快照 + 重算），用于对照。
+    """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    if not isinstance(draft_tokens, int) or draft_tokens < 1:
-        raise ValueError(f"draft_tokens 至少为 1，收到 {draft_tokens!r}")
+    if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
+        raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
     ids = model.check_ids(ids, None)
     if ids.shape[0] != 1:
         raise ValueError("投机解码一次处理一个提示词")
-    r = SpecResult(accepted_at=[0] * draft_tokens, tried_at=[0] * draft_tokens)
+    most = draft_tokens or MAX_DRAFTS
+    r = SpecResult(accepted_at=[0] * most, tried_at=[0] * most)
     if max_new_tokens == 0:
         return r
     stop, gen = set(stop), make_generator(seed, ids.device)
     state, mtp_state = State(model), AttentionState()
     r.state = state
-    embed = model.embed_tokens
+    cost = extra_cost(model)
 
     logits, hidden = forward_hidden(model, ids, state, last=True)  # 预填充
     r.forwards = 1
@@ -202,19 +262,12 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=1, temp
     pend_start = 0
 
     while last not in stop and len(r.tokens) < max_new_tokens:
-        k = min(draft_tokens, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
+        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], cost)
+        k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
         drafts, qs = [], []
         if k > 0:  # 1. 起草
-            mtp_state.truncate(pend_start)  # 丢掉上一轮递归起草留下的推测条目
-            x = mtp(embed(pend_tokens), pend_hidden, pend_start, mtp_state)[:, -1:]  # [1, 1, h]
-            pos = pend_start + pend_tokens.shape[1]
-            for i in range(k):
-                d, q = choose(model.lm_head(x)[0, -1].float(), temperature, top_k, top_p, gen)
-                drafts.append(d)
-                qs.append(q)
-                if i + 1 < k:  # 递归：草稿头吃自己的输出，再猜下一个
-                    x = mtp(embed(torch.tensor([[d]], device=ids.device)), x, pos, mtp_state)
-                    pos += 1
+            drafts, qs = mtp.draft(model, pend_tokens, pend_hidden, pend_start, k, mtp_state,
+                                   temperature, top_k, top_p, gen)
 
         # 2. 验证：[last, d₁, …, d_k] 一次前向
         start = state.pos
@@ -256,7 +309,7 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=1, temp
     return r
 
 
-def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=1, temperature=0.0, top_k=None,
+def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
                  top_p=None, seed=None):
     """投机解码，返回 (tokens, rounds, hits)。贪心时 tokens 与 generate(model, ids, …) 逐个相同。
 

@@ -200,9 +200,72 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
                     continue
                 if key in out:
                     continue  # model.language_model.x 优先于 model.x
-                t = f.get_tensor(name)  # 懒读取：此刻才从磁盘映射这个张量
-                out[key] = cast(t, dtype)
+                out[key] = read_tensor(file, name, dtype)
     return out
+
+
+def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """读一个张量到自己的内存里。
+
+    safetensors 把文件映射进内存，读到的张量是映射的视图；只要映射还在，读过的页都算在本进程的常驻内存里。
+    所以每个张量单独打开一次、拷出来、关掉：内存里只有我们真正留下的那一份（打包后旧的那份也能真正释放）。
+    """
+    with safe_open(file, framework="pt") as f:
+        t = f.get_tensor(name)
+        out = cast(t, dtype)
+        return out.clone() if out.data_ptr() == t.data_ptr() else out
+
+
+def load_rows(path: str | os.PathLike, key: str, rows: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """只读文本模型里张量 key 的前 rows 行（safetensors 的切片读取：其余的行不进内存）。"""
+    names = [p + key for p in part_prefixes("model.")] + [key]
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            name = next((n for n in names if n in f.keys()), None)
+            if name is not None:
+                return cast(f.get_slice(name)[:rows], dtype)
+    raise ValueError(f"检查点 {path} 里没有张量 {key}")
+
+
+def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict | None = None,
+                    extra_text_config: dict | None = None, shard_bytes: int = 2 << 30) -> Path:
+    """按发布检查点的布局写出：config.json 嵌套 text_config，张量名 model.language_model.* 与 mtp.*，
+    分片加索引。model、mtp 是去掉前缀的 {名字: 张量}（共用嵌入时不含 lm_head.weight）。"""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {"model.language_model." + k: v for k, v in model.items()}
+    tensors.update({"mtp." + k: v for k, v in (mtp or {}).items()})
+    shards, size = [[]], 0
+    for name in sorted(tensors):
+        n = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: tensors[k].contiguous() for k in names}, str(path / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in names})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    half = cfg.rotary_dim // 2  # 多模态 RoPE 的三段（文本里三段位置相同，等价于普通 RoPE）
+    section = [round(half * 11 / 32), round(half * 11 / 32), half - 2 * round(half * 11 / 32)]
+    text = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    text.update(model_type="qwen3_5_text", mtp_num_hidden_layers=1 if mtp else 0,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                 "partial_rotary_factor": cfg.partial_rotary_factor,
+                                 "mrope_section": section, "mrope_interleaved": True})
+    text.update(extra_text_config or {})
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
+    (path / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return path
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

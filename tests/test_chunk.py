@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qwen.chunk import chunk_gated_delta_rule
-from qwen.deltanet import l2norm, recurrent_gated_delta_rule
+from qwen.deltanet import l2norm, recurrent_gated_delta_rule, state_after
 
 
 def inputs(T, B=2, H=3, Dk=16, Dv=8, seed=0):
@@ -28,14 +28,22 @@ def test_chunked_equals_recurrent(T):
     assert (S1 - S2).abs().max().item() <= 1e-4
 
 
-def test_recurrent_keeps_every_state():
-    q, k, v, g, beta, S0 = inputs(5)
-    o, S, all_S = recurrent_gated_delta_rule(q, k, v, g, beta, S0, keep_all=True)
-    assert all_S.shape == (2, 5, 3, 16, 8)
-    for t in range(1, 6):
+@pytest.mark.parametrize("rule", [recurrent_gated_delta_rule, chunk_gated_delta_rule])
+@pytest.mark.parametrize("T", [1, 2, 5, 9, 64])
+def test_state_after_every_position(rule, T):
+    """两种形式记下的 (S₀, G, K, U) 都能重建每个位置之后的记忆：与只喂前 t 个 token 的最终状态相同。"""
+    q, k, v, g, beta, S0 = inputs(T, seed=T)
+    o, S, parts = rule(q, k, v, g, beta, S0, keep_all=True)
+    for t in range(1, T + 1):
         _, S_t, _ = recurrent_gated_delta_rule(q[:, :, :t], k[:, :, :t], v[:, :, :t], g[:, :, :t], beta[:, :, :t], S0)
-        assert torch.allclose(all_S[:, t - 1], S_t)
-    assert torch.equal(all_S[:, -1], S)
+        assert (state_after(parts, t - 1) - S_t).abs().max().item() <= 1e-4
+    assert (state_after(parts, T - 1) - S).abs().max().item() <= 1e-4
+
+
+def test_chunk_keep_all_needs_one_chunk():
+    q, k, v, g, beta, S0 = inputs(65)
+    with pytest.raises(ValueError, match="不超过一块"):
+        chunk_gated_delta_rule(q, k, v, g, beta, S0, keep_all=True)
 
 
 def test_chunked_is_differentiable():

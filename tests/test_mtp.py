@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwen import Model, State
+from qwen.bench import OracleDrafter
 from qwen.mtp import MTP, forward_hidden, generate_mtp, speculate
 from qwen.sample import generate, probabilities
 
@@ -104,28 +105,6 @@ def smooth(tiny):
     return model, MTP.from_pretrained(model.cfg, tiny[0], dtype=torch.float32), fit_mtp(model)
 
 
-class OracleMTP(torch.nn.Module):
-    """知道贪心续写的“草稿头”：以概率 a 猜对。真的 MTP 照样运行（它的代价照算），
-    只是把输出换成一个经共用 lm_head 后 argmax 为所选 token 的向量（该 token 的嵌入行）。"""
-
-    def __init__(self, model, mtp, sequence, a, seed=0):
-        super().__init__()
-        self.model, self.mtp, self.seq, self.a = model, mtp, sequence, a
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def forward(self, emb_next, hidden, start, state):
-        x = self.mtp(emb_next, hidden, start, state)
-        t = start + x.shape[1] - 1  # 最后一行是位置 t 的一对 (h_t, e_{t+1})，要猜位置 t+2
-        target = self.seq[t + 2] if t + 2 < len(self.seq) else 0
-        if torch.rand((), generator=self.gen) >= self.a:
-            target = (target + 1) % self.model.cfg.vocab_size  # 故意猜错
-        E = self.model.embed_tokens.weight
-        x = x.clone()
-        x[:, -1] = E[target] * 10
-        assert int(self.model.lm_head(x[:, -1]).argmax()) == target
-        return x
-
-
 def fit_mtp(model, steps=300, seed=0):
     """训练目标正是投机解码要的：给定 (h_t, e_{t+1})，猜主模型在位置 t+1 的贪心输出。
     输入是随机 token 序列（多样，不会塌缩成重复），标签由主模型自己给出。"""
@@ -169,7 +148,7 @@ def test_stops_and_budget(model, mtp, k):
     ids = ids_of(8, seed=5100 + k)
     plain = generate(model, ids, 40)
     seq = ids[0].tolist() + plain
-    r = speculate(model, OracleMTP(model, mtp, seq, 0.7, seed=k), ids, 40, draft_tokens=k)
+    r = speculate(model, OracleDrafter(mtp, seq, 0.7, seed=k), ids, 40, draft_tokens=k)
     assert r.tokens == plain and 0 < r.hits < r.drafted
     # 每轮输出的 token 里，哪些是被接受的草稿、哪个是主模型补的
     pos, draft_positions, bonus_positions = 0, [], []
@@ -185,11 +164,11 @@ def test_stops_and_budget(model, mtp, k):
                 break
     assert "draft" in cases and "bonus" in cases
     for name, p in cases.items():
-        oracle = OracleMTP(model, mtp, seq, 0.7, seed=k)  # 同样的猜测序列：停止符落在同样的位置上
+        oracle = OracleDrafter(mtp, seq, 0.7, seed=k)  # 同样的猜测序列：停止符落在同样的位置上
         out = generate_mtp(model, oracle, ids, 40, stop=[plain[p]], draft_tokens=k)[0]
         assert out == plain[: p + 1] == generate(model, ids, 40, stop=[plain[p]]), name
     for n in range(1, 9):
-        assert generate_mtp(model, OracleMTP(model, mtp, seq, 0.7), ids, n, draft_tokens=k)[0] == plain[:n]
+        assert generate_mtp(model, OracleDrafter(mtp, seq, 0.7), ids, n, draft_tokens=k)[0] == plain[:n]
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -198,7 +177,7 @@ def test_rollback_is_exact(model, mtp, n, recompute):
     """结束时的状态与普通解码喂完同样 token 后的状态一样：下一个 token 的 logits 相同。"""
     ids = ids_of(20, seed=n)
     plain_tokens = generate(model, ids, n)
-    oracle = OracleMTP(model, mtp, ids[0].tolist() + plain_tokens, 0.6, seed=n)
+    oracle = OracleDrafter(mtp, ids[0].tolist() + plain_tokens, 0.6, seed=n)
     r = speculate(model, oracle, ids, n, draft_tokens=3, recompute=recompute)
     assert r.tokens == plain_tokens and (n < 10 or 0 < r.hits < r.drafted)
     plain = State(model)

@@ -1,0 +1,384 @@
+"""附录 · 基准测试：解码有多快，离硬件的上限还有多远，投机解码值不值。
+
+    python -m qwen.bench                     # 不用下载：按 0.8B 的形状造随机权重
+    python -m qwen.bench --model demo        # 或任何检查点文件夹
+
+同一次运行里、同样的权重、dtype 与线程数，依次测：
+1. 普通贪心解码的 token/s：qwen 与 transformers 的 Qwen3_5ForCausalLM（装了的话）；
+2. 512 个 token 的预填充速度，两者；
+3. 内存带宽的下限：解码一个 token 要读的权重字节数 ÷ 实测的内存读带宽；
+4. 受控接受率的投机解码：草稿器知道贪心续写，每个草稿以概率 a 猜对（真的 MTP 照样运行，
+   它的代价照算），k = 1、2、3 与自动挑选，对照理想值 (1 − a^(k+1)) / (1 − a)，
+   以及课程里的做法（快照、拒绝时重算、全词表起草）；
+5. 峰值常驻内存。
+每一项在单独的子进程里测，互不干扰；峰值内存因此只算那一项自己的。
+结果打印成表，写成 JSON，并画出加速比对接受率的图（需要 matplotlib）。
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .cache import State
+from .model import Model
+from .mtp import MTP, speculate
+from .sample import generate, stream
+from .weights import Config, Linear, find_model, load_config, load_weights, save_checkpoint
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+ACCEPTANCE = (0.5, 0.7, 0.9)
+DRAFTS = (1, 2, 3)
+
+
+class OracleDrafter:
+    """知道贪心续写的草稿器：真的 MTP 照样起草（代价照算），然后每个草稿以概率 a 换成正确的 token，
+    否则换成一个错的。每个草稿独立地以概率 a 猜对，于是一轮期望产出 (1 − a^(k+1)) / (1 − a) 个 token。"""
+
+    def __init__(self, mtp, sequence: list, a: float, seed: int = 0):
+        self.mtp, self.seq, self.a = mtp, sequence, a  # sequence：提示词 + 贪心续写
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def draft(self, model, tokens, hidden, start, k, state, *sampling):
+        _, qs = self.mtp.draft(model, tokens, hidden, start, k, state, *sampling)
+        first = start + tokens.shape[1] + 1  # 第一个草稿在整个序列里的位置
+        drafts = []
+        for i in range(k):
+            target = self.seq[first + i] if first + i < len(self.seq) else 0
+            if torch.rand((), generator=self.gen) >= self.a:
+                target = (target + 1) % model.cfg.vocab_size  # 故意猜错
+            drafts.append(target)
+        return drafts, qs
+
+
+# ---------- 随机权重的检查点 ----------
+
+
+def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) -> Path:
+    """按 cfg 的形状造随机权重，按发布检查点的布局写到 path（含 mtp.*）。"""
+    gen = torch.Generator().manual_seed(seed)
+
+    def fill(name, shape):
+        if name.endswith("A_log"):
+            return torch.empty(shape).uniform_(1, 16, generator=gen).log()
+        if name.endswith("dt_bias"):
+            return torch.randn(shape, generator=gen) * 0.5
+        if name.endswith("linear_attn.norm.weight"):
+            return 1 + 0.1 * torch.randn(shape, generator=gen)
+        if len(shape) == 1:  # 零中心的 norm 权重
+            return 0.1 * torch.randn(shape, generator=gen)
+        fan_in = math.prod(shape[1:])
+        return (torch.randn(shape, generator=gen) / math.sqrt(fan_in)).to(dtype)
+
+    tensors = {}
+    for part, cls in (("model", Model), ("mtp", MTP)):
+        with torch.device("meta"):
+            module = cls(cfg)
+        names = {k: v.shape for k, v in module.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+        tensors[part] = {k: fill(k, shape) for k, shape in names.items()}
+    return save_checkpoint(path, cfg, tensors["model"], tensors["mtp"])
+
+
+# ---------- 机器与模型的事实 ----------
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """内存读带宽（GB/s）：对一块远大于缓存的张量求和，取最快的一次。"""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = min(timed(lambda: x.sum())[0] for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def bytes_per_token(model) -> int:
+    """解码一个 token 要读的权重字节数：每个矩阵读一遍；嵌入表只查一行。"""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            w = m.weight if m.packed is None else m.packed
+            total += w.numel() * w.element_size()
+        else:
+            for name, p in m.named_parameters(recurse=False):
+                if m is not model.embed_tokens:
+                    total += p.numel() * p.element_size()
+    return total + model.cfg.hidden_size * model.embed_tokens.weight.element_size()
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux 上单位是 KiB
+
+
+def prompt_ids(cfg, n, seed=0):
+    return torch.randint(0, min(cfg.vocab_size, 30000), (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------- 两个子进程：qwen 与 transformers ----------
+
+
+def run_qwen(path, dtype, tokens, prefill_len, spec: bool) -> dict:
+    model = Model.from_pretrained(path, dtype=dtype)
+    cfg, out = model.cfg, {}
+    out["bytes_per_token"] = bytes_per_token(model)
+    prompt = prompt_ids(cfg, 32)
+    long = prompt_ids(cfg, prefill_len, seed=1)
+    with torch.inference_mode():
+        model(long[:, :8], State(model), last=True)  # 预热
+        out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
+
+    def decode():  # 只计解码：从第一个 token 产出之后开始计时
+        it = stream(model, prompt, tokens + 1)
+        next(it)
+        t, rest = timed(lambda: list(it))
+        return t, rest
+
+    best = min(decode() for _ in range(2))
+    out["decode_tok_s"] = tokens / best[0]
+    plain_t, plain = min(timed(lambda: generate(model, prompt, tokens)) for _ in range(2))
+    out["plain_s"], out["plain_tokens"] = plain_t, plain  # 含预填充，与投机解码同口径
+
+    if spec:
+        mtp = MTP.from_pretrained(cfg, path, dtype=dtype)
+        seq = prompt[0].tolist() + plain
+        runs = []
+
+        def run(a, k, recompute=False, full_vocab=False, seed=0):
+            head = mtp.draft_head
+            if full_vocab:
+                mtp.draft_head = None
+            t, r = timed(lambda: speculate(model, OracleDrafter(mtp, seq, a, seed), prompt, tokens, draft_tokens=k,
+                                           recompute=recompute))
+            mtp.draft_head = head
+            same = next((i for i, (x, y) in enumerate(zip(r.tokens, plain)) if x != y), len(plain))
+            ks = [d for d, _, _ in r.trace if d]
+            runs.append(dict(a=a, k=k or "auto", course=recompute, seconds=t, speedup=plain_t / t,
+                             acceptance=r.acceptance, rounds=r.rounds, mean_k=sum(ks) / max(len(ks), 1),
+                             same_prefix=same))
+
+        for a in ACCEPTANCE:
+            for k in DRAFTS:
+                run(a, k)
+        for a in (0.3,) + ACCEPTANCE:
+            run(a, None)
+        for a in ACCEPTANCE:
+            run(a, 1, recompute=True, full_vocab=True)
+        out["spec"] = runs
+        out["draft_vocab"] = None if mtp.draft_head is None else mtp.draft_head.out_features
+    out["peak_rss_gb"] = peak_rss_gb()
+    return out
+
+
+def run_transformers(path, dtype, tokens, prefill_len) -> dict:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = load_config(path)
+    text = json.loads((Path(path) / "config.json").read_text())
+    text = text.get("text_config", text)
+    text["model_type"] = "qwen3_5_text"
+    hf_cfg = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    hf = Qwen3_5ForCausalLM._from_config(hf_cfg, dtype=dtype).eval()
+    sd = {"model." + k: v.to(dtype) for k, v in load_weights(path, "model.").items()}
+    hf.load_state_dict(sd, strict=False)
+    hf.tie_weights()
+    prompt, long = prompt_ids(cfg, 32), prompt_ids(cfg, prefill_len, seed=1)
+    out = {}
+    with torch.inference_mode():
+        hf(long[:, :8])
+        out["prefill_s"] = min(timed(lambda: hf(long, use_cache=True, logits_to_keep=1))[0] for _ in range(2))
+
+        def decode():
+            o = hf(prompt, use_cache=True, logits_to_keep=1)
+            past, tok = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True)
+            toks = [int(tok)]
+            t0 = time.perf_counter()
+            for _ in range(tokens):
+                o = hf(tok, past_key_values=past, use_cache=True)
+                past, tok = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True)
+                toks.append(int(tok))
+            return time.perf_counter() - t0, toks[1:]
+
+        best = min(decode() for _ in range(2))
+    out["decode_tok_s"] = tokens / best[0]
+    out["tokens"] = best[1]
+    out["peak_rss_gb"] = peak_rss_gb()
+    return out
+
+
+def worker(args) -> None:
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    if args.worker == "qwen":
+        out = run_qwen(args.model, dtype, args.tokens, args.prefill, spec=not args.no_spec)
+    else:
+        out = run_transformers(args.model, dtype, args.tokens, args.prefill)
+    print("RESULT " + json.dumps(out))
+
+
+def child(args, which: str, dtype: str, spec: bool = True) -> dict | None:
+    cmd = [sys.executable, "-m", "qwen.bench", "--worker", which, "--model", str(args.model), "--dtype", dtype,
+           "--threads", str(args.threads), "--tokens", str(args.tokens), "--prefill", str(args.prefill)]
+    if not spec:
+        cmd.append("--no-spec")
+    print(f"  测 {which}（{dtype}）…", file=sys.stderr, flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if p.returncode or line is None:
+        print(f"  {which}（{dtype}）失败：\n{p.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[len("RESULT "):])
+
+
+# ---------- 汇总：表格、JSON、图 ----------
+
+
+def ideal(a: float, k: int) -> float:
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def report(res: dict) -> str:
+    lines = [f"机器：{res['machine']}；线程 {res['threads']}；模型：{res['model']}", ""]
+    lines.append(f"内存读带宽 {res['bandwidth_gb_s']:.1f} GB/s")
+    lines.append("| dtype | qwen 解码 tok/s | transformers 解码 tok/s | 倍数 | 带宽下限 tok/s | 占下限 | "
+                 f"预填充 {res['prefill_len']} tok/s qwen / transformers | 峰值内存 GB |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for dtype, r in res["runs"].items():
+        q, h = r["qwen"], r.get("transformers")
+        floor = res["bandwidth_gb_s"] * 1e9 / q["bytes_per_token"]
+        pre_q = res["prefill_len"] / q["prefill_s"]
+        hf_dec = f"{h['decode_tok_s']:.1f}" if h else "—"
+        ratio = f"{q['decode_tok_s'] / h['decode_tok_s']:.2f}×" if h else "—"
+        pre_h = f"{res['prefill_len'] / h['prefill_s']:.0f}" if h else "—"
+        lines.append(f"| {dtype} | {q['decode_tok_s']:.1f} | {hf_dec} | {ratio} | {floor:.1f} | "
+                     f"{q['decode_tok_s'] / floor:.0%} | {pre_q:.0f} / {pre_h} | {q['peak_rss_gb']:.2f} |")
+    for dtype, r in res["runs"].items():
+        spec = r["qwen"].get("spec")
+        if not spec:
+            continue
+        lines += ["", f"投机解码（{dtype}，{res['tokens']} 个 token 含预填充，相对普通贪心；草稿词表 "
+                  f"{r['qwen']['draft_vocab'] or '全部'}）", "| 接受率 a | k | 加速比 | 理想值 | 平均 k | 轮数 |",
+                  "|---|---|---|---|---|---|"]
+        for s in spec:
+            name = "课程做法 (k=1)" if s["course"] else str(s["k"])
+            best = ideal(s["a"], s["mean_k"] if s["k"] == "auto" else s["k"])
+            lines.append(f"| {s['a']} | {name} | {s['speedup']:.2f}× | {best:.2f}× | {s['mean_k']:.1f} | {s['rounds']} |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, file: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    spec = res["runs"]["bfloat16"]["qwen"].get("spec") if "bfloat16" in res["runs"] else None
+    if not spec:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    grid = [i / 100 for i in range(30, 96)]
+    for k, color in zip(DRAFTS, ("C0", "C1", "C2")):
+        pts = [s for s in spec if s["k"] == k and not s["course"]]
+        ax.plot([s["a"] for s in pts], [s["speedup"] for s in pts], "o-", color=color, label=f"k = {k}")
+        ax.plot(grid, [ideal(a, k) for a in grid], ":", color=color, alpha=0.6)
+    auto = [s for s in spec if s["k"] == "auto"]
+    ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s-", color="k", label="auto k")
+    course = [s for s in spec if s["course"]]
+    ax.plot([s["a"] for s in course], [s["speedup"] for s in course], "x--", color="C3", label="course (k=1)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("acceptance rate a")
+    ax.set_ylabel("speed-up over plain greedy")
+    ax.set_title(f"speculative decoding, bf16, {res['threads']} threads (dotted: ideal)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(file, dpi=120)
+    return True
+
+
+def machine() -> str:
+    name = "CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}，{os.cpu_count()} 核，torch {torch.__version__}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m qwen.bench", description="解码、预填充、投机解码与内存的基准测试")
+    p.add_argument("--model", default=None, help="检查点文件夹或 demo；默认按 0.8B 的形状造随机权重")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "both"], default="both")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--tokens", type=int, default=64, help="每次解码的新 token 数")
+    p.add_argument("--prefill", type=int, default=512, help="预填充的提示词长度")
+    p.add_argument("--no-transformers", action="store_true", help="不测 transformers")
+    p.add_argument("--json", default="bench.json")
+    p.add_argument("--png", default="bench.png")
+    p.add_argument("--worker", choices=["qwen", "transformers"], help=argparse.SUPPRESS)
+    p.add_argument("--no-spec", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    tmp = None
+    if args.model is None:
+        tmp = tempfile.TemporaryDirectory(prefix="qwen-bench-")
+        print("按 Qwen3.5-0.8B 的形状造随机权重（bfloat16）…", file=sys.stderr, flush=True)
+        args.model = random_checkpoint(tmp.name, Config())
+        name = "随机权重，Qwen3.5-0.8B 的形状"
+    else:
+        args.model = find_model(args.model)
+        name = str(args.model)
+    has_hf = not args.no_transformers
+    if has_hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            has_hf = False
+    res = dict(machine=machine(), threads=args.threads, model=name, tokens=args.tokens, prefill_len=args.prefill,
+               bandwidth_gb_s=read_bandwidth(), runs={})
+    dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
+    for dtype in dtypes:
+        q = child(args, "qwen", dtype, spec=dtype == "bfloat16" or len(dtypes) == 1)
+        if q is None:
+            continue
+        run = {"qwen": q}
+        if has_hf:
+            h = child(args, "transformers", dtype)
+            if h is not None:
+                run["transformers"] = h
+                same = sum(a == b for a, b in zip(q["plain_tokens"], h["tokens"]))
+                run["greedy_agreement"] = same / len(h["tokens"])
+                del h["tokens"]
+        del q["plain_tokens"]
+        res["runs"][dtype] = run
+    if tmp is not None:
+        tmp.cleanup()
+    print(report(res))
+    Path(args.json).write_text(json.dumps(res, indent=2, ensure_ascii=False))
+    print(f"\n数字已写入 {args.json}", end="")
+    if plot(res, Path(args.png)):
+        print(f"，图已写入 {args.png}")
+    else:
+        print("（没有画图：需要 matplotlib，或没有 bfloat16 的投机解码结果）")
+
+
+if __name__ == "__main__":
+    main()
