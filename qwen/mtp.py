@@ -106,12 +106,12 @@ class MTP(nn.Module):
         check_state_dict({k: v.shape for k, v in mtp.state_dict().items()}, sd, f"检查点 {path} 的 MTP 草稿头")
         mtp.load_state_dict(sd, assign=True)
         del sd
-        if draft_vocab is not None and draft_vocab < cfg.vocab_size:
+        if pack:
+            pack_linears(mtp)
+        if draft_vocab is not None and draft_vocab < cfg.vocab_size:  # 每次只算一行：不打包，走 gemv（第 1 章）
             key = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
             mtp.draft_head = Linear(cfg.hidden_size, draft_vocab, bias=False, device="meta")
             mtp.draft_head.weight = nn.Parameter(load_rows(path, key, draft_vocab, dtype), requires_grad=False)
-        if pack:
-            pack_linears(mtp)
         return mtp.eval()
 
 

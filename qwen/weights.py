@@ -320,9 +320,27 @@ class Linear(nn.Linear):
             self.weight = None  # 释放普通布局的那一份：内存里只留一份权重
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16 and not x.is_cuda:
+            return gemv(x, self.weight, self.bias)  # 只有一行、普通权重还在：PyTorch 自己的 gemv 最快
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        if x.numel() == 2 * x.shape[-1]:  # 恰好两行时 oneDNN 挑的内核比三行还慢（实测约慢 25%）：补一行零再算
+            x3 = torch.cat([x.reshape(2, -1), x.new_zeros(1, x.shape[-1])])
+            return self.onednn(x3)[:2].reshape(*x.shape[:-1], -1)
+        return self.onednn(x)
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """一行 bfloat16 输入乘普通布局的权重：绕开 oneDNN（它每次都先重排权重），用 PyTorch 自带的 gemv，
+    读一遍权重就算完。解码时的 lm_head（与嵌入共用、本来就留着普通布局）和草稿头走这里。"""
+    enabled = torch.backends.mkldnn.set_flags(False)[0]
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch.backends.mkldnn.set_flags(enabled)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
