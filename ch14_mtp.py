@@ -3,8 +3,11 @@
 对每个提示词分别跑两种解码（同样的 max_new_tokens），打印速度、验证轮数、接受率、
 两者输出是否逐 token 相同，以及加速比。在终端里，被接受的草稿 token 会高亮显示。
 
+    python ch14_mtp.py --model demo         # 随包附带的小模型，离线即可运行（提示词是几段代码）
     python ch14_mtp.py                      # 默认：find_model() 找到的 Qwen3.5-0.8B
     python ch14_mtp.py --model /path/to/ckpt --draft-tokens 2 --dtype bfloat16 --threads 2
+
+不给 --draft-tokens 时，每轮起草几个由 generate_mtp 按观察到的接受率自动挑选（见 qwen.mtp.best_draft_count）。
 """
 
 import argparse
@@ -13,12 +16,19 @@ import time
 
 import torch
 
-from qwen.chat import Chat, build_prompt
+from qwen.chat import Chat
 from qwen.model import Model
-from qwen.mtp import MTP, speculate
+from qwen.mtp import DRAFT_VOCAB, MTP, extra_cost, speculate
 from qwen.sample import generate
+from qwen.weights import num_params
 
 PROMPTS = ["用一句话介绍一下 Transformer。", "写一段 200 字的短文，介绍长江。"]
+# 没有对话模板的检查点（demo 模型只学过 Python 标准库）：给它几段代码开头，让它续写
+CODE_PROMPTS = [
+    'def is_prime(n):\n    """Return True if n is a prime number."""\n',
+    "class Stack:\n    \"\"\"A simple last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "import os\n\n\ndef walk_files(root):\n    \"\"\"Yield the path of every file below root.\"\"\"\n",
+]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -39,29 +49,36 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="检查点文件夹（默认 find_model()）")
     p.add_argument("--prompt", action="append", default=[], help="再加一个提示词（可重复）")
     p.add_argument("--max-new-tokens", type=int, default=120)
-    p.add_argument("--draft-tokens", type=int, default=1, help="每轮起草几个 token")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--draft-tokens", type=int, default=None, help="每轮起草几个 token（默认按接受率自动挑）")
+    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, help="起草时只给词表前这么多个 token 打分")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     try:
-        model = Model.from_pretrained(args.model, dtype=DTYPES[args.dtype])
-        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=DTYPES[args.dtype])
+        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype))
+        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.embed_tokens.weight.dtype, draft_vocab=args.draft_vocab)
         chat = Chat(model)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"错误：{e}")
 
-    n_params = sum(t.numel() for t in mtp.parameters())
-    print(f"MTP 草稿头：{n_params / 1e6:.1f}M 参数（与主模型共用嵌入和输出头）")
+    print(f"MTP 草稿头：{num_params(mtp) / 1e6:.2f}M 参数（与主模型共用嵌入；起草用输出头的前若干行）")
     for name, module in mtp.named_children():
-        print(f"  {name}: {sum(t.numel() for t in module.parameters()) / 1e6:.2f}M")
-    print(f"线程 {torch.get_num_threads()}，dtype {args.dtype}，每轮起草 {args.draft_tokens} 个 token\n")
+        print(f"  {name}: {num_params(module) / 1e6:.2f}M")
+    vocab = mtp.draft_head.out_features if mtp.draft_head is not None else model.cfg.vocab_size
+    print(f"起草时打分的词表：前 {vocab} 个 token（共 {model.cfg.vocab_size}）")
+    if args.draft_tokens:
+        how = f"固定 {args.draft_tokens} 个"
+    else:
+        how = f"自动（按接受率挑 1～4 个；这台机器上每多起草一个 token 约多花一步的 {extra_cost(model):.0%}）"
+    print(f"线程 {torch.get_num_threads()}，dtype {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}，"
+          f"每轮起草：{how}\n")
 
     color = sys.stdout.isatty()
-    for text in PROMPTS + args.prompt:
-        ids = chat.encode(build_prompt([{"role": "user", "content": text}]))
+    for text in (PROMPTS if chat.templated else CODE_PROMPTS) + args.prompt:
+        ids = chat.encode(chat.prompt([{"role": "user", "content": text}]))
         generate(model, ids, 2)  # 预热：第一次调用有一次性的开销
         t0 = time.perf_counter()
         plain = generate(model, ids, args.max_new_tokens, chat.stop)
@@ -69,11 +86,13 @@ def main(argv=None):
         r = speculate(model, mtp, ids, args.max_new_tokens, chat.stop, draft_tokens=args.draft_tokens)
         t2 = time.perf_counter()
         a, b = t1 - t0, t2 - t1
-        print(f"提示词：{text}")
+        print(f"提示词：{text!r}" if not chat.templated else f"提示词：{text}")
         print(f"  普通贪心：{len(plain)} 个 token，{a:.2f} 秒，{len(plain) / a:.1f} token/s")
         print(f"  投机解码：{len(r.tokens)} 个 token，{b:.2f} 秒，{len(r.tokens) / b:.1f} token/s")
-        print(f"  验证轮数 {r.rounds}，起草 {r.drafted}，接受 {r.hits}，接受率 {r.acceptance:.0%}")
-        if args.draft_tokens > 1:
+        ks = [d for d, _, _ in r.trace if d]
+        print(f"  验证轮数 {r.rounds}，起草 {r.drafted}，接受 {r.hits}，接受率 {r.acceptance:.0%}，"
+              f"平均每轮起草 {sum(ks) / max(len(ks), 1):.1f} 个")
+        if len(ks) and max(ks) > 1:
             rates = ", ".join(f"{acc}/{tried}" for acc, tried in zip(r.accepted_at, r.tried_at))
             print(f"  各草稿位置（接受/验证）：{rates}")
         print(f"  输出逐 token 相同：{'是' if plain == r.tokens else '否'}")

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .chat import Chat, build_prompt
+from .chat import Chat
 from .model import Model
 from .sample import check_sampling, stream
 
@@ -24,7 +24,7 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
     return p.parse_args(argv)
 
@@ -40,7 +40,7 @@ def answer(chat, messages, args) -> str:
             counted.append(t)
             yield t
 
-    ids = chat.encode(build_prompt(messages, args.think))
+    ids = chat.encode(chat.prompt(messages, args.think))
     start = time.perf_counter()
     pieces = []
     for piece in chat.stream_text(counting(stream(chat.model, ids, args.max_new_tokens, chat.stop, **sampling))):
@@ -56,7 +56,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model = Model.from_pretrained(args.model, dtype=DTYPES[args.dtype])
+        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype))
         chat = Chat(model)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"错误：{e}")

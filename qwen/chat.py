@@ -87,6 +87,19 @@ class Chat:
         self.path = path
         self.tk = Tokenizer.from_file(str(file))
         self.stop = [i for i in (self.tk.token_to_id("<|im_end|>"), self.tk.token_to_id("<|endoftext|>")) if i is not None]
+        # 有对话模板的检查点（Qwen3.5 本身）按 ChatML 组织提示词；没有模板的（比如只学过代码的 demo 模型）
+        # 不懂对话格式，提示词原样喂给它，让它续写
+        config = path / "tokenizer_config.json"
+        self.templated = (path / "chat_template.jinja").is_file() or (
+            config.is_file() and "chat_template" in config.read_text(encoding="utf-8"))
+
+    def prompt(self, messages, enable_thinking: bool = False) -> str:
+        """对话消息 → 提示词文字：有模板时用 build_prompt，否则把各条消息的内容原样接起来。"""
+        if self.templated:
+            return build_prompt(messages, enable_thinking)
+        if not messages:
+            raise ValueError("messages 是空的：至少要有一条用户消息")
+        return "".join(m["content"] for m in messages if m.get("role") != "system")
 
     def encode(self, text: str) -> torch.Tensor:
         """文字 → [1, T] 的 id 张量（特殊记号如 <|im_start|> 按一个 token 识别）。"""
@@ -113,5 +126,5 @@ class Chat:
 
     def reply(self, messages, enable_thinking=False, max_new_tokens=512, **sampling):
         """对一组消息流式产出助手的回答（文字片段）。"""
-        ids = self.encode(build_prompt(messages, enable_thinking))
+        ids = self.encode(self.prompt(messages, enable_thinking))
         return self.stream_text(stream(self.model, ids, max_new_tokens, self.stop, **sampling))

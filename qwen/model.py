@@ -20,7 +20,8 @@ from .embedding import Embedding
 from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
-from .weights import Config, Linear, check_state_dict, find_model, load_config, load_weights, pack_linears
+from .weights import (Config, Linear, check_state_dict, find_model, load_config, load_weights, pack_linears,
+                      preferred_dtype)
 
 
 class Model(nn.Module):
@@ -79,14 +80,17 @@ class Model(nn.Module):
         return self.lm_head(h).float()
 
     @classmethod
-    def from_pretrained(cls, path=None, dtype: torch.dtype = torch.bfloat16, pack: bool = True) -> "Model":
+    def from_pretrained(cls, path=None, dtype: torch.dtype | None = None, pack: bool = True) -> "Model":
         """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。
+
+        dtype 默认 preferred_dtype()：CPU 支持 bfloat16 时用 bfloat16，否则 float32。
 
         pack=True（默认）时在 CPU 上把矩阵打包成 oneDNN 布局（第 1 章的 Linear.pack）：
         只影响速度。要训练或修改权重时用 pack=False。
         """
         path = find_model(path)
         cfg = load_config(path)
+        dtype = dtype or preferred_dtype()
         with torch.device("meta"):
             model = cls(cfg)  # 只有形状，没有内存
         sd = load_weights(path, "model.", dtype)

@@ -34,15 +34,13 @@ from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
-from .weights import Linear, check_state_dict, find_model, load_rows, load_weights, pack_linears
+from .weights import (Linear, check_state_dict, find_model, load_rows, load_weights, pack_linears,
+                      preferred_dtype)
 
 # 起草只给词表前这么多个 token 打分。BPE 词表按合并顺序编号，靠前的 id 是训练语料里最常见的片段；
 # 草稿只是猜测，猜不到冷门 token 只是少接受一次，输出仍由主模型的验证决定，与贪心逐 token 相同。
 DRAFT_VOCAB = 32768
-# 每多起草一个 token，一轮的代价约多出一次普通解码步的这么多倍（草稿头一次前向 + 验证多一行）。
-# 打包后的矩阵乘法读一遍权重就能算好几行，所以很小；没打包时多一行几乎多一整步。
-EXTRA_COST_PACKED, EXTRA_COST_PLAIN = 0.08, 0.9
-MAX_DRAFTS = 4
+MAX_DRAFTS = 4  # 自动挑选时每轮最多起草几个
 
 
 class MTP(nn.Module):
@@ -94,10 +92,11 @@ class MTP(nn.Module):
         return drafts, qs
 
     @classmethod
-    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype = torch.bfloat16, pack: bool = True,
+    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
                         draft_vocab: int | None = DRAFT_VOCAB) -> "MTP":
         """读检查点里的 mtp.*。draft_vocab：起草时只给前这么多个 token 打分（None 为全词表）。"""
         path = find_model(path)
+        dtype = dtype or preferred_dtype()
         sd = load_weights(path, "mtp.", dtype)
         if not sd:
             raise ValueError(f"检查点 {path} 里没有 mtp.* 张量：它没有 MTP 草稿头，不能做投机解码")
@@ -215,8 +214,14 @@ def verify(drafts, qs, logits, temperature, top_k, top_p, gen):
 
 
 def extra_cost(model) -> float:
-    """每多起草一个 token，一轮多花的时间（以一次普通解码步为 1）。"""
-    return EXTRA_COST_PACKED if model.lm_head.packed is not None or model.lm_head.weight.is_cuda else EXTRA_COST_PLAIN
+    """每多起草一个 token，一轮约多花几次普通解码步。
+
+    草稿头是一个解码层，主模型有 L 个，起草一次约是一步的 1/L；再加上它的输出头和验证时多出的一行，
+    估为 1.5/L（0.8B：L = 24，约 0.06；实测一轮验证 2～4 行比一步多 10%～20%）。这要求多出的一行几乎不花钱：
+    打包的矩阵（第 1 章）或 GPU 上确实如此；CPU 上没打包时，每多一行几乎多一整步。
+    """
+    flat = model.lm_head.packed is not None or model.embed_tokens.weight.is_cuda
+    return 1.5 / model.cfg.num_hidden_layers if flat else 0.9
 
 
 def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRAFTS) -> int:

@@ -41,6 +41,7 @@ NEEDED_FILES = [
     "chat_template.jinja",
 ]
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # 多模态包装 / 纯文本
+DEMO_PATH = Path(__file__).parent / "demo"  # 随包附带的小检查点（附录“训练”一章训出来的），离线也能用
 
 
 @dataclass
@@ -124,9 +125,13 @@ def load_config(path: str | os.PathLike) -> Config:
 
 
 def find_model(path: str | os.PathLike | None = None) -> Path:
-    """找到检查点文件夹：显式路径 > 环境变量 QWEN_MODEL > 本地 HF 缓存 > 下载。"""
+    """找到检查点文件夹：显式路径（"demo" 是随包附带的小模型）> 环境变量 QWEN_MODEL > 本地 HF 缓存 > 下载。"""
     if path is None:
         path = os.environ.get("QWEN_MODEL") or None
+    if path is not None and str(path) == "demo":
+        if not (DEMO_PATH / "config.json").is_file():
+            raise FileNotFoundError(f"demo 检查点不在 {DEMO_PATH}：用 python -m qwen.train --out {DEMO_PATH} 训练一个")
+        return DEMO_PATH
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_dir():
@@ -324,7 +329,7 @@ class Linear(nn.Linear):
             return gemv(x, self.weight, self.bias)  # 只有一行、普通权重还在：PyTorch 自己的 gemv 最快
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.numel() == 2 * x.shape[-1]:  # 恰好两行时 oneDNN 挑的内核比三行还慢（实测约慢 25%）：补一行零再算
+        if x.numel() == 2 * x.shape[-1] and self.packed.numel() >= 1 << 20:  # 大矩阵恰好两行时 oneDNN 挑的内核比三行还慢（实测约慢 25%）：补一行零
             x3 = torch.cat([x.reshape(2, -1), x.new_zeros(1, x.shape[-1])])
             return self.onednn(x3)[:2].reshape(*x.shape[:-1], -1)
         return self.onednn(x)
@@ -341,6 +346,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
         return F.linear(x, weight, bias)
     finally:
         torch.backends.mkldnn.set_flags(enabled)
+
+
+def preferred_dtype() -> torch.dtype:
+    """默认的计算 dtype：CPU 支持 bfloat16 指令（oneDNN 能用）时用 bfloat16——读的字节少一半；否则 float32。"""
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def num_params(module: nn.Module) -> int:
+    """参数个数，打包后释放了普通权重的矩阵也算上。"""
+    packed = sum(m.packed.numel() for m in module.modules() if isinstance(m, Linear) and m.weight is None)
+    return sum(p.numel() for p in module.parameters()) + packed
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -196,7 +196,8 @@ CORPUS = [
 
 
 def make_tokenizer(path, vocab_size: int = 400):
-    """字节级 BPE 分词器，带 Qwen 的特殊记号；存为 path/tokenizer.json。"""
+    """字节级 BPE 分词器，带 Qwen 的特殊记号；存为 path/tokenizer.json，旁边放一个 ChatML 对话模板
+    （发布的检查点有 chat_template.jinja，Chat 据此按对话格式组织提示词）。"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tk = Tokenizer(models.BPE())
@@ -207,6 +208,10 @@ def make_tokenizer(path, vocab_size: int = 400):
     )
     tk.train_from_iterator(CORPUS * 20, trainer)
     tk.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     return tk
 
 

@@ -183,6 +183,8 @@ def chat(lively, model):
 
 
 def test_chat_basics(chat):
+    assert chat.templated  # 有 chat_template.jinja：按 ChatML 组织提示词
+    assert chat.prompt([{"role": "user", "content": "你好"}]) == build_prompt([{"role": "user", "content": "你好"}])
     assert chat.stop == [chat.tk.token_to_id("<|im_end|>"), chat.tk.token_to_id("<|endoftext|>")]
     ids = chat.encode("<|im_start|>user\n你好<|im_end|>")
     assert ids.shape[0] == 1 and ids[0, 0] == chat.tk.token_to_id("<|im_start|>")

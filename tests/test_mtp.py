@@ -286,5 +286,53 @@ def test_chapter_script_runs(lively):
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
+    # 有对话模板：两条课程提示词，再加上 --prompt 给的一个
     assert out.stdout.count("输出逐 token 相同：是") == 3
     assert out.stdout.count("加速比") == 3 and "MTP 草稿头" in out.stdout and "接受率" in out.stdout
+
+
+# ---------- 更快的起草：子词表与自动挑选草稿数 ----------
+
+
+def test_draft_vocab_subset(lively, model):
+    """起草只给前 100 个 token 打分：草稿都落在里面，输出仍与贪心逐 token 相同。"""
+    head = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, draft_vocab=100)
+    assert head.draft_head.out_features == 100
+    assert torch.equal(head.draft_head.weight, model.embed_tokens.weight[:100])  # 共用输出头的前 100 行
+    seen = []
+    original = head.draft
+
+    def spy(*args):
+        drafts, qs = original(*args)
+        seen.extend(drafts)
+        return drafts, qs
+
+    head.draft = spy
+    for s in range(3):
+        ids = ids_of(12, seed=700 + s)
+        r = speculate(model, head, ids, 20, draft_tokens=2)
+        assert r.tokens == generate(model, ids, 20)
+    assert len(seen) > 20 and max(seen) < 100
+    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=None).draft_head is None
+    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=10_000).draft_head is None  # 比词表还大：全词表
+
+
+def test_best_draft_count():
+    from qwen.mtp import MAX_DRAFTS, best_draft_count
+
+    assert best_draft_count(0, 50, cost=0.08) == 1  # 几乎从不接受：只起草一个
+    assert best_draft_count(95, 100, cost=0.08) == MAX_DRAFTS  # 几乎总接受、起草便宜：起草最多
+    assert best_draft_count(95, 100, cost=0.9) == 1  # 每多起草一个就多花近一步：不值得多起草
+    ks = [best_draft_count(a, 100, cost=0.1) for a in range(0, 101, 10)]
+    assert ks == sorted(ks)  # 接受率越高，起草越多
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_draft_count_is_exact(model, mtp, seed):
+    """默认（自动挑草稿数）的投机解码与普通贪心逐 token 相同，且真的用过不止一种草稿数。"""
+    ids = ids_of(10, seed=800 + seed)
+    seq = ids[0].tolist() + generate(model, ids, 40)
+    r = speculate(model, OracleDrafter(mtp, seq, 0.9, seed=seed), ids, 40)
+    assert r.tokens == seq[10:]
+    assert len({k for k, _, _ in r.trace if k}) >= 2
+    assert generate_mtp(model, mtp, ids, 12)[0] == seq[10:22]

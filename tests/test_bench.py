@@ -1,0 +1,72 @@
+"""基准测试模块：随机检查点的布局、带宽与字节数的算法、一次完整的小规模运行。"""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from qwen import Config, Model, load_config
+from qwen.bench import bytes_per_token, ideal, random_checkpoint, report
+from qwen.mtp import MTP
+from qwen.weights import safetensors_files
+
+
+def test_random_checkpoint_has_the_released_layout(tmp_path):
+    cfg = Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16)
+    path = random_checkpoint(tmp_path / "ck", cfg)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["text_config"]["model_type"] == "qwen3_5_text"
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    names = set(index["weight_map"])
+    assert "model.language_model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert any(n.startswith("mtp.layers.0.") for n in names) and len(safetensors_files(path)) == 1
+    assert load_config(path) == cfg
+    model = Model.from_pretrained(path, dtype=torch.float32)
+    MTP.from_pretrained(cfg, path, dtype=torch.float32)
+    with torch.no_grad():
+        layer = model.layers[0].linear_attn
+        assert (layer.A_log.exp() >= 1).all() and layer.dt_bias.abs().sum() > 0
+        ids = torch.randint(0, 300, (1, 12))
+        greedy = model(ids).argmax(-1)
+    assert torch.equal(greedy[0, 1:], ids[0, 1:])  # 嵌入主导残差流：贪心续写就是重复当前 token，余量很大
+
+
+def test_bytes_per_token_counts_every_matrix_once(tiny):
+    """每个矩阵读一遍（lm_head 与嵌入共用，打包的副本按同样的字节算），嵌入表只查一行。"""
+    for dtype, packed in ((torch.bfloat16, True), (torch.float32, False)):
+        model = Model.from_pretrained(tiny[0], dtype=dtype, pack=packed)
+        assert (model.lm_head.packed is not None) == packed
+        unique = sum(p.numel() * p.element_size() for p in model.parameters())  # 打包后释放的不在这里
+        unique += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
+                      if getattr(m, "packed", None) is not None and m is not model.lm_head)
+        row = model.cfg.hidden_size * model.embed_tokens.weight.element_size()
+        assert bytes_per_token(model) == unique + row
+
+
+def test_ideal_speedup():
+    assert ideal(0.5, 1) == 1.5 and abs(ideal(0.9, 3) - 3.439) < 1e-9
+
+
+def test_bench_runs_end_to_end(lively, tmp_path):
+    """一次小规模运行：两种 dtype、带 transformers、投机解码的全部组合，写出 JSON，并且报告能读。"""
+    out = tmp_path / "b.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "qwen.bench", "--model", str(lively[0]), "--tokens", "6", "--prefill", "16",
+         "--json", str(out), "--png", str(tmp_path / "b.png")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    for dtype in ("bfloat16", "float32"):
+        run = res["runs"][dtype]
+        assert run["qwen"]["decode_tok_s"] > 0 and run["transformers"]["decode_tok_s"] > 0
+        assert run["qwen"]["peak_rss_gb"] > 0 and res["bandwidth_gb_s"] > 0
+    spec = res["runs"]["bfloat16"]["qwen"]["spec"]
+    assert len(spec) == 9 + 4 + 3
+    assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
+    assert res["runs"]["float32"]["greedy_agreement"] == 1.0  # float32 下与 transformers 的贪心逐 token 相同
+    assert "投机解码" in p.stdout and "| bfloat16 |" in p.stdout
+    assert report(res).splitlines()[0].startswith("机器：")
