@@ -54,8 +54,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: i
     kb = k * beta[..., None]  # βK
     A = (kb @ k.transpose(-1, -2)) * Gamma  # A_tj = β_t e^{G_t−G_j} k_tᵀk_j；对角线与上三角下面不用
     I_A = A.tril(-1) + torch.eye(chunk, dtype=A.dtype, device=A.device)  # I + A（单位下三角）
-    U_ = torch.linalg.solve_triangular(I_A, v * beta[..., None], upper=False, unitriangular=True)  # (I+A)⁻¹βV
-    W = torch.linalg.solve_triangular(I_A, kb * G.exp()[..., None], upper=False, unitriangular=True)
+    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)  # 两个右端一次解：[βV | βK ⊙ e^G]
+    U_, W = torch.linalg.solve_triangular(I_A, rhs, upper=False, unitriangular=True).split([v.shape[-1], Dk], -1)
     QK = (q @ k.transpose(-1, -2)) * Gamma  # [B, H, N, C, C]：块内注意力（含衰减）
     q_decayed = q * G.exp()[..., None]  # Q ⊙ e^G：读块开始时的记忆
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # K ⊙ e^{G_C − G}：写到块末

@@ -32,7 +32,7 @@ from .weights import Linear
 class DeltaNetState:
     """一层 DeltaNet 的状态：卷积窗口与记忆矩阵。
 
-    conv: [B, 通道, 核宽 − 1]，最近 3 个 in_proj_qkv 输出（卷积要往回看 3 步）
+    conv: [B, 核宽 − 1, 通道]，最近 3 个 in_proj_qkv 输出（卷积要往回看 3 步），float32
     S:    [B, v_heads, 128, 128]，float32 的记忆矩阵
     keep_history: 为真时，前向顺手记下 history = (完整卷积输入, 重建每个位置之后 S 所需的量)，
                   投机解码靠它零代价回滚（第 14 章，见 state_after）
@@ -104,13 +104,20 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, h, bias=False)
 
     def causal_conv(self, x: torch.Tensor, state: DeltaNetState | None):
-        """因果深度卷积：x [B, T, C] → [B, T, C]。返回 (输出, 拼上历史后的完整输入 [B, C, 3 + T])。"""
+        """因果深度卷积 + SiLU：x [B, T, C] → float32 [B, T, C]。返回 (输出, 拼上历史后的完整输入 [B, 3 + T, C])。
+
+        每个通道 c：y_t = Σ_j w[c, j] · x_{t−3+j}（j = 0…3）。直接写成 4 个错开的切片乘加：
+        沿时间维的切片是连续的内存块，也不必在 [B, T, C] 与卷积要的 [B, C, T] 之间来回转置
+        （预填充 512 个 token 时比 F.conv1d 加两次转置快约 5 倍）。
+        """
         B, T, C = x.shape
-        x = x.transpose(1, 2)  # [B, C, T]
-        past = state.conv if state is not None and state.conv is not None else x.new_zeros(B, C, self.kernel - 1)
-        full = torch.cat([past, x], dim=-1)  # [B, C, 3 + T]：前面接上最近 3 个输入
-        y = F.conv1d(full, self.conv1d.weight, groups=C)  # [B, C, T]：不补零，长度正好是 T
-        return F.silu(y).transpose(1, 2), full
+        past = state.conv if state is not None and state.conv is not None else x.new_zeros(B, self.kernel - 1, C)
+        full = torch.cat([past.float(), x.float()], dim=1)  # [B, 3 + T, C]：前面接上最近 3 个输入
+        w = self.conv1d.weight[:, 0].t().float()  # [4, C]：每个抽头一行，连续存放
+        y = full[:, :T] * w[0]  # [B, T, C]：不补零，长度正好是 T
+        for j in range(1, self.kernel):
+            y.addcmul_(full[:, j : j + T], w[j])  # y += x_{t−3+j} · w_j
+        return F.silu(y), full
 
     def forward(self, x, state: DeltaNetState | None = None, valid=None, rule=recurrent_gated_delta_rule):
         """x [B, T, hidden] → [B, T, hidden]。valid [B, T]：填充位置的输入置零，不写进状态。
@@ -122,8 +129,8 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:
             # 左填充的位置输入为 0：投影后 k = v = 0，不会写进 S，卷积窗口里也只是初始的 0。
             x = torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype))
-        qkv, full = self.causal_conv(self.in_proj_qkv(x), state)  # [B, T, 6144]
-        q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qkv, full = self.causal_conv(self.in_proj_qkv(x), state)  # [B, T, 6144]，float32
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.view(B, T, Hk, Dk)) * Dk**-0.5  # [B, T, Hk, Dk]
         k = l2norm(k.view(B, T, Hk, Dk))
         v = v.view(B, T, Hv, Dv)
@@ -135,12 +142,12 @@ class GatedDeltaNet(nn.Module):
 
         S = state.S if state is not None and state.S is not None else q.new_zeros(B, Hv, Dk, Dv)
         keep = state is not None and state.keep_history
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, T, D]：连续存放，后面的运算才快
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, T]
         o, S, states = rule(q, k, v, g, beta, S, keep_all=keep)
         if state is not None:
             state.S = S
-            state.conv = full[..., -(self.kernel - 1):]  # 新窗口：最后 3 个输入
+            state.conv = full[:, -(self.kernel - 1):]  # 新窗口：最后 3 个输入
             if keep:
                 state.history = (full, states)  # 每个位置之后的窗口可从 full 切出，S 由 state_after 重建
 

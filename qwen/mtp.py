@@ -159,9 +159,9 @@ def commit(state: State, start: int, keep: int) -> None:
         if isinstance(s, AttentionState):
             s.truncate(start + keep)
         else:
-            full, parts = s.history  # full [B, C, 3 + T]：窗口从这里切；parts 给 state_after
-            width = full.shape[-1] - parts[1].shape[-1]  # 核宽 − 1
-            s.conv = full[..., keep : keep + width]
+            full, parts = s.history  # full [B, 3 + T, C]：窗口从这里切；parts 给 state_after
+            width = full.shape[1] - parts[1].shape[-1]  # 核宽 − 1
+            s.conv = full[:, keep : keep + width]
             s.S = state_after(parts, keep - 1)
             s.history = None
     state.pos = start + keep

@@ -139,7 +139,7 @@ def test_state_shapes(tiny_model):
             assert s.k.shape == (1, cfg.num_key_value_heads, 11, cfg.head_dim) == s.v.shape
         else:
             conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            assert s.conv.shape == (1, conv_dim, cfg.linear_conv_kernel_dim - 1)
+            assert s.conv.shape == (1, cfg.linear_conv_kernel_dim - 1, conv_dim) and s.conv.dtype == torch.float32
             assert s.S.shape == (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
             assert s.S.dtype == torch.float32
 
