@@ -67,7 +67,7 @@ def main(argv=None):
     print(f"MTP 草稿头：{num_params(mtp) / 1e6:.2f}M 参数（与主模型共用嵌入；起草用输出头的前若干行）")
     for name, module in mtp.named_children():
         print(f"  {name}: {num_params(module) / 1e6:.2f}M")
-    vocab = mtp.draft_head.out_features if mtp.draft_head is not None else model.cfg.vocab_size
+    vocab = mtp.draft_vocab or model.cfg.vocab_size
     print(f"起草时打分的词表：前 {vocab} 个 token（共 {model.cfg.vocab_size}）")
     if args.draft_tokens:
         how = f"固定 {args.draft_tokens} 个"

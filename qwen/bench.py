@@ -128,7 +128,8 @@ def timed(fn):
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux 上单位是 KiB
+    """本进程的峰值常驻内存，单位 GB（10⁹ 字节；Linux 上 ru_maxrss 的单位是 KiB）。"""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def prompt_ids(cfg, n, seed=0):
@@ -165,12 +166,12 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool) -> dict:
         runs = []
 
         def run(a, k, recompute=False, full_vocab=False, seed=0):
-            head = mtp.draft_head
+            vocab = mtp.draft_vocab
             if full_vocab:
-                mtp.draft_head = None
+                mtp.draft_vocab = None
             t, r = timed(lambda: speculate(model, OracleDrafter(mtp, seq, a, seed), prompt, tokens, draft_tokens=k,
                                            recompute=recompute))
-            mtp.draft_head = head
+            mtp.draft_vocab = vocab
             same = next((i for i, (x, y) in enumerate(zip(r.tokens, plain)) if x != y), len(plain))
             ks = [d for d, _, _ in r.trace if d]
             runs.append(dict(a=a, k=k or "auto", course=recompute, seconds=t, speedup=plain_t / t,
@@ -185,7 +186,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool) -> dict:
         for a in ACCEPTANCE:
             run(a, 1, recompute=True, full_vocab=True)
         out["spec"] = runs
-        out["draft_vocab"] = None if mtp.draft_head is None else mtp.draft_head.out_features
+        out["draft_vocab"] = mtp.draft_vocab
     out["peak_rss_gb"] = peak_rss_gb()
     return out
 

@@ -24,6 +24,9 @@ from .weights import (Config, Linear, check_state_dict, find_model, load_config,
                       preferred_dtype)
 
 
+PREFILL_PIECE = 128  # 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长
+
+
 class Model(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -58,6 +61,8 @@ class Model(nn.Module):
         """最后一次 norm 之后的隐藏状态 [B, T, hidden]（MTP 草稿头要用它）。"""
         ids = self.check_ids(ids, state)
         B, T = ids.shape
+        if state is not None and T > PREFILL_PIECE:  # 分段预填充：与一次喂完完全等价（状态本来就是为增量设计的）
+            return torch.cat([self.hidden(ids[:, i : i + PREFILL_PIECE], state) for i in range(0, T, PREFILL_PIECE)], 1)
         pos = state.pos if state is not None else 0
         positions = torch.arange(pos, pos + T, device=ids.device)  # [T]
         valid = None

@@ -25,6 +25,7 @@ h_t（最后一次 norm 之后）和 token t+1 的嵌入，预测 token t+2：
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionState
@@ -34,7 +35,7 @@ from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
-from .weights import (Linear, check_state_dict, find_model, load_rows, load_weights, pack_linears,
+from .weights import (Linear, check_state_dict, find_model, gemv, load_weights, pack_linears,
                       preferred_dtype)
 
 # 起草只给词表前这么多个 token 打分。BPE 词表按合并顺序编号，靠前的 id 是训练语料里最常见的片段；
@@ -53,7 +54,7 @@ class MTP(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.draft_head = None  # 只含词表前 DRAFT_VOCAB 行的输出头；None 时用主模型的 lm_head 给全词表打分
+        self.draft_vocab = None  # 起草时只给词表前这么多个 token 打分；None 时给全词表打分
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后，送进共用的 lm_head）。
@@ -75,13 +76,13 @@ class MTP(nn.Module):
         tokens、hidden [1, T]、[1, T, h]：草稿头还没见过的 (e_{t+1}, h_t) 对，从位置 start 起。
         第一个草稿来自最后一对；之后草稿头吃自己的输出（它的 x 当作下一步的 h），再猜下一个。
         """
-        embed, head = model.embed_tokens, self.draft_head or model.lm_head
+        embed = model.embed_tokens
         state.truncate(start)  # 丢掉上一轮递归起草留下的推测条目
         x = self(embed(tokens), hidden, start, state)[:, -1:]  # [1, 1, h]
         pos = start + tokens.shape[1]
         drafts, qs = [], []
         for i in range(k):
-            d, q = choose(head(x)[0, -1].float(), temperature, top_k, top_p, gen)
+            d, q = choose(self.draft_logits(model, x)[0, -1], temperature, top_k, top_p, gen)
             if q is not None and q.shape[0] < model.cfg.vocab_size:  # 子词表上的分布补成全词表
                 q = torch.cat([q, q.new_zeros(model.cfg.vocab_size - q.shape[0])])
             drafts.append(d)
@@ -90,6 +91,15 @@ class MTP(nn.Module):
                 x = self(embed(torch.tensor([[d]], device=x.device)), x, pos, state)
                 pos += 1
         return drafts, qs
+
+    def draft_logits(self, model, x):
+        """草稿头的输出 x [B, 1, h] → float32 logits。只打前 draft_vocab 个 token 的分时，
+        输出矩阵就是共用嵌入的前 draft_vocab 行：一个视图，不占额外内存，一行输入走 gemv（第 1 章）。"""
+        weight = model.lm_head.weight  # 与嵌入共用时它一直是普通布局；不共用且已打包时为 None
+        if self.draft_vocab is None or self.draft_vocab >= model.cfg.vocab_size or weight is None:
+            return model.lm_head(x).float()
+        rows = weight[: self.draft_vocab]  # [draft_vocab, h]
+        return (gemv(x, rows) if x.dtype == torch.bfloat16 and not x.is_cuda else F.linear(x, rows)).float()
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
@@ -107,10 +117,7 @@ class MTP(nn.Module):
         del sd
         if pack:
             pack_linears(mtp)
-        if draft_vocab is not None and draft_vocab < cfg.vocab_size:  # 每次只算一行：不打包，走 gemv（第 1 章）
-            key = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-            mtp.draft_head = Linear(cfg.hidden_size, draft_vocab, bias=False, device="meta")
-            mtp.draft_head.weight = nn.Parameter(load_rows(path, key, draft_vocab, dtype), requires_grad=False)
+        mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
         return mtp.eval()
 
 

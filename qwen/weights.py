@@ -221,17 +221,6 @@ def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tenso
         return out.clone() if out.data_ptr() == t.data_ptr() else out
 
 
-def load_rows(path: str | os.PathLike, key: str, rows: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """只读文本模型里张量 key 的前 rows 行（safetensors 的切片读取：其余的行不进内存）。"""
-    names = [p + key for p in part_prefixes("model.")] + [key]
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            name = next((n for n in names if n in f.keys()), None)
-            if name is not None:
-                return cast(f.get_slice(name)[:rows], dtype)
-    raise ValueError(f"检查点 {path} 里没有张量 {key}")
-
-
 def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict | None = None,
                     extra_text_config: dict | None = None, shard_bytes: int = 2 << 30) -> Path:
     """按发布检查点的布局写出：config.json 嵌套 text_config，张量名 model.language_model.* 与 mtp.*，
