@@ -141,6 +141,7 @@ def prompt_ids(cfg, n, seed=0):
 
 def run_qwen(path, dtype, tokens, prefill_len, spec: bool) -> dict:
     model = Model.from_pretrained(path, dtype=dtype)
+    mtp = MTP.from_pretrained(model.cfg, path, dtype=dtype) if spec else None  # 先加载：像真实使用那样一开始就备好
     cfg, out = model.cfg, {}
     out["bytes_per_token"] = bytes_per_token(model)
     prompt = prompt_ids(cfg, 32)
@@ -161,7 +162,6 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool) -> dict:
     out["plain_s"], out["plain_tokens"] = plain_t, plain  # 含预填充，与投机解码同口径
 
     if spec:
-        mtp = MTP.from_pretrained(cfg, path, dtype=dtype)
         seq = prompt[0].tolist() + plain
         runs = []
 
