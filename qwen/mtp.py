@@ -15,8 +15,9 @@ h_t（最后一次 norm 之后）和 token t+1 的嵌入，预测 token t+2：
 回滚是难点。被拒绝的草稿已经改过每个 DeltaNet 层的记忆 S 和卷积窗口，而它们无法“减掉”一个 token：
 - 简单的做法（snapshot / rollback）：验证前把 DeltaNet 状态拷一份，有拒绝时恢复，再把收下的
   token 重新喂一遍。每次拒绝多花一次前向。
-- 我们用的做法（与 vLLM、SGLang 相同）：验证时递推顺手记下每个位置之后的状态（几 MB），
-  再提交最后一个被接受的位置上的那一份；注意力的 KV 缓存只需截断。拒绝不再有额外代价。
+- 我们用的做法（思路与 vLLM、SGLang 相同）：验证的那次前向顺手记下 (S₀, G, K, U)（几个小张量），
+  提交时用第 7 章的 state_after 只算出最后一个被接受的位置之后的那份 S；卷积窗口从完整输入里切出，
+  注意力的 KV 缓存只需截断。拒绝不再有额外的前向。
 
 采样时用拒绝采样（Leviathan 等 2023）：草稿 x ~ q 以 min(1, p(x)/q(x)) 的概率接受，
 拒绝时从 normalize(max(0, p − q)) 里重新抽。这样输出的分布与只从 p 采样完全相同。
@@ -149,7 +150,7 @@ def rollback(state: State, snap) -> None:
 
 
 def keep_history(state: State, on: bool) -> None:
-    """让 DeltaNet 层在下一次前向里记下每个位置之后的状态。"""
+    """让 DeltaNet 层在下一次前向里记下回滚所需的量（完整卷积输入与 state_after 要的 (S₀, G, K, U)）。"""
     for s in state.layers:
         if not isinstance(s, AttentionState):
             s.keep_history = on
