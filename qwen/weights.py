@@ -14,7 +14,8 @@ safetensors 的好处是可以“按名字懒读取”：只打开文件头，�
 速度的上限是“权重字节数 ÷ 内存带宽”。PyTorch 在 CPU 上做 bfloat16 矩阵乘法时交给 oneDNN，
 而 oneDNN 每次调用都先把 [out, in] 的权重重排成它的分块布局：权重实际被读写了三遍。
 Linear.pack() 在加载时把这个重排只做一次，之后每次调用只读一遍权重，而且 1 到 8 行输入
-（投机解码一次验证几个 token）花的时间几乎一样。这是本书唯一的“性能布局”，只影响速度，不影响结果。
+（投机解码一次验证几个 token）花的时间几乎一样。只有一行输入、又留着普通布局的矩阵（与嵌入共用的输出头），
+则走 PyTorch 自带的 gemv（gemv()），它对一行最快。这是本书唯一的“性能布局”，只影响速度，不影响结果。
 """
 
 from __future__ import annotations
@@ -318,7 +319,8 @@ class Linear(nn.Linear):
             return gemv(x, self.weight, self.bias)  # 只有一行、普通权重还在：PyTorch 自己的 gemv 最快
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.numel() == 2 * x.shape[-1] and self.packed.numel() >= 1 << 20:  # 大矩阵恰好两行时 oneDNN 挑的内核比三行还慢（实测约慢 25%）：补一行零
+        if x.numel() == 2 * x.shape[-1] and self.packed.numel() >= 1 << 20:
+            # 大矩阵恰好两行时，oneDNN 挑的内核比三行还慢（实测约慢 25%）：补一行零，算完丢掉
             x3 = torch.cat([x.reshape(2, -1), x.new_zeros(1, x.shape[-1])])
             return self.onednn(x3)[:2].reshape(*x.shape[:-1], -1)
         return self.onednn(x)
@@ -329,7 +331,8 @@ class Linear(nn.Linear):
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """一行 bfloat16 输入乘普通布局的权重：绕开 oneDNN（它每次都先重排权重），用 PyTorch 自带的 gemv，
-    读一遍权重就算完。解码时的 lm_head（与嵌入共用、本来就留着普通布局）和草稿头走这里。"""
+    读一遍权重就算完。解码时的 lm_head（与嵌入共用、本来就留着普通布局）和草稿头走这里。
+    开关 oneDNN 的是进程级的标志：别的线程若在同一时刻做矩阵乘法，也会短暂地不用 oneDNN（结果不变，只是慢些）。"""
     enabled = torch.backends.mkldnn.set_flags(False)[0]
     try:
         return F.linear(x, weight, bias)
