@@ -46,7 +46,9 @@ class DeltaNetState:
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    """x / sqrt(Σx² + eps)。等于 rms(x, eps/D) / sqrt(D)（第 3 章的 rms 用的是均值），借用它的合并运算。"""
+    D = x.shape[-1]
+    return F.rms_norm(x, (D,), eps=eps / D) * D**-0.5
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False):
@@ -60,10 +62,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False):
     for t in range(T):
         k_t, q_t = k[:, :, t], q[:, :, t]  # [B, H, Dk]
         S = S * decay[:, :, t, None, None]  # S ← exp(g)·S
-        pred = torch.einsum("bhkv,bhk->bhv", S, k_t)  # Sᵀk：记忆对 v 的预测
+        pred = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # Sᵀk：记忆对 v 的预测 [B, H, Dv]
         delta = (v[:, :, t] - pred) * beta[:, :, t, None]  # β(v − Sᵀk)
         S = S + k_t[..., :, None] * delta[..., None, :]  # S ← S + k ⊗ δ
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, q_t))  # o = Sᵀq
+        outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2))  # o = Sᵀq
         writes.append(delta)
     o = torch.stack(outs, dim=2)  # [B, H, T, Dv]
     return o, S, ((S0, g.cumsum(-1), k, torch.stack(writes, dim=2)) if keep_all else None)
