@@ -18,7 +18,7 @@ Sᵀk 是记忆对 k 的“预测”，v − Sᵀk 是误差，β ∈ (0, 1) 是
 （门是 in_proj_z 的投影）再 out_proj。
 
 本章用逐 token 的递推（解码时用）；下一章把同样的计算改写成按 64 个 token 一块的并行形式
-（预填充时用）。两者的输出与最终状态相同。
+（预填充与投机解码验证时用）。两者的输出与最终状态相同。
 """
 
 import torch
@@ -146,12 +146,12 @@ class GatedDeltaNet(nn.Module):
         keep = state is not None and state.keep_history
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, T, D]：连续存放，后面的运算才快
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, T]
-        o, S, states = rule(q, k, v, g, beta, S, keep_all=keep)
+        o, S, parts = rule(q, k, v, g, beta, S, keep_all=keep)
         if state is not None:
             state.S = S
             state.conv = full[:, -(self.kernel - 1):]  # 新窗口：最后 3 个输入
             if keep:
-                state.history = (full, states)  # 每个位置之后的窗口可从 full 切出，S 由 state_after 重建
+                state.history = (full, parts)  # 每个位置之后的窗口可从 full 切出，S 由 state_after 重建
 
         z = self.in_proj_z(x).view(B, T, Hv, Dv)
         o = self.norm(o.transpose(1, 2), z)  # [B, T, Hv, Dv]：逐头门控 RMSNorm

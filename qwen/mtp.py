@@ -26,7 +26,6 @@ h_t（最后一次 norm 之后）和 token t+1 的嵌入，预测 token t+2：
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionState
@@ -99,8 +98,7 @@ class MTP(nn.Module):
         weight = model.lm_head.weight  # 与嵌入共用时它一直是普通布局；不共用且已打包时为 None
         if self.draft_vocab is None or self.draft_vocab >= model.cfg.vocab_size or weight is None:
             return model.lm_head(x).float()
-        rows = weight[: self.draft_vocab]  # [draft_vocab, h]
-        return (gemv(x, rows) if x.dtype == torch.bfloat16 and not x.is_cuda else F.linear(x, rows)).float()
+        return gemv(x, weight[: self.draft_vocab]).float()  # [B, 1, draft_vocab]
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,

@@ -330,9 +330,11 @@ class Linear(nn.Linear):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """一行 bfloat16 输入乘普通布局的权重：绕开 oneDNN（它每次都先重排权重），用 PyTorch 自带的 gemv，
-    读一遍权重就算完。解码时的 lm_head（与嵌入共用、本来就留着普通布局）和草稿头走这里。
+    """一行输入乘普通布局的权重。CPU 上的 bfloat16 绕开 oneDNN（它每次都先重排权重），用 PyTorch 自带的 gemv，
+    读一遍权重就算完；其他情况就是 F.linear。解码时的 lm_head（与嵌入共用、本来就留着普通布局）和草稿头走这里。
     开关 oneDNN 的是进程级的标志：别的线程若在同一时刻做矩阵乘法，也会短暂地不用 oneDNN（结果不变，只是慢些）。"""
+    if x.dtype != torch.bfloat16 or x.is_cuda:
+        return F.linear(x, weight, bias)
     enabled = torch.backends.mkldnn.set_flags(False)[0]
     try:
         return F.linear(x, weight, bias)
