@@ -18,7 +18,7 @@ from torch import nn
 
 from .norm import RMSNorm
 from .rope import apply_rope
-from .weights import Linear
+from .weights import Fused, Linear
 
 
 class AttentionState:
@@ -74,6 +74,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = Linear(self.num_heads * d, h, bias=False)
+        self.qkv = Fused(self.q_proj, self.k_proj, self.v_proj)  # 打包后三个投影一次乘完（第 1 章）
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -81,10 +82,11 @@ class Attention(nn.Module):
         """x [B, T, hidden]；valid [B, L] 为真表示该位置是真实 token（批处理左填充时用）。"""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, gate = self.q_proj(x).view(B, T, H, 2 * D).chunk(2, dim=-1)  # 每个头：[查询 256 | 门 256]
+        q, k, v = self.qkv(x)  # 就是 q_proj(x)、k_proj(x)、v_proj(x)
+        q, gate = q.view(B, T, H, 2 * D).chunk(2, dim=-1)  # 每个头：[查询 256 | 门 256]
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+        k = self.k_norm(k.view(B, T, Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if state is not None:
             k, v = state.append(k, v)  # [B, Hkv, L, D]：L = 已缓存 + T

@@ -112,8 +112,8 @@ def bytes_per_token(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            w = m.weight if m.packed is None else m.packed
-            total += w.numel() * w.element_size()
+            w = m.weight if m.packed is None else m.packed  # 并进 Fused 的 Linear 两者都是 None：由拼好的那个算
+            total += 0 if w is None else w.numel() * w.element_size()
         else:
             for name, p in m.named_parameters(recurse=False):
                 if m is not model.embed_tokens:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weights import Linear
+from .weights import Fused, Linear
 
 
 class MLP(nn.Module):
@@ -19,6 +19,8 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up = Fused(self.gate_proj, self.up_proj)  # 打包后两个矩阵一次乘完（第 1 章）
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, hidden]
+        gate, up = self.gate_up(x)  # 就是 gate_proj(x)、up_proj(x)
+        return self.down_proj(F.silu(gate) * up)  # [B, T, hidden]

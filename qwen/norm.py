@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))  # 存的是相对 1 的偏移
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).to(x.dtype)  # 乘权重合在同一个运算里
 
 
 class GatedRMSNorm(nn.Module):

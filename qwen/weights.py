@@ -294,6 +294,9 @@ def check_state_dict(expected: dict[str, torch.Size], got: dict[str, torch.Tenso
             )
 
 
+PAD_ROWS = 4  # 打包的 bfloat16 矩阵乘法：不足这么多行时补零行（见 Linear.forward）
+
+
 class Linear(nn.Linear):
     """nn.Linear（无偏置也行），多一个 pack()：把权重一次性重排成 oneDNN 的分块布局。
 
@@ -319,14 +322,45 @@ class Linear(nn.Linear):
             return gemv(x, self.weight, self.bias)  # 只有一行、普通权重还在：PyTorch 自己的 gemv 最快
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.numel() == 2 * x.shape[-1] and self.packed.numel() >= 1 << 20:
-            # 大矩阵恰好两行时，oneDNN 挑的内核比三行还慢（实测约慢 25%）：补一行零，算完丢掉
-            x3 = torch.cat([x.reshape(2, -1), x.new_zeros(1, x.shape[-1])])
-            return self.onednn(x3)[:2].reshape(*x.shape[:-1], -1)
+        rows = x.numel() // x.shape[-1]
+        if rows < PAD_ROWS and x.dtype == torch.bfloat16:
+            # 打包布局的 bfloat16 内核读权重的速度随行数上升，到 4 行才最快（实测 1 行约 29 GB/s，4 行约 35 GB/s）；
+            # 算 4 行与算 1 行读的是同样多的权重：补几行零，算完丢掉
+            x4 = F.pad(x.reshape(rows, -1), (0, 0, 0, PAD_ROWS - rows))  # [4, in]
+            return self.onednn(x4)[:rows].reshape(*x.shape[:-1], -1)
         return self.onednn(x)
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class Fused(nn.Module):
+    """几个读同一个输入的 Linear（如 q_proj、k_proj、v_proj），调用时返回各自的输出。
+
+    没打包时就是逐个调用。pack() 把它们的权重上下拼成一个矩阵再打包：解码一步少几次调用，
+    一次连续读一大块内存也比分几次读快（0.8B 的 24 层：186 个矩阵变成 96 个，实测读权重快约 10%）。
+    参数仍然属于原来那几个 Linear，名字与检查点一致；拼好的矩阵不在 state_dict 里。
+    """
+
+    def __init__(self, *linears: Linear):
+        super().__init__()
+        self.parts = linears  # 普通元组：不注册成子模块，它们已经是上一级模块的成员
+        self.sizes = [m.out_features for m in linears]
+        self.whole = None  # 拼接并打包后的 Linear
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        if self.whole is None:
+            return tuple(m(x) for m in self.parts)
+        return self.whole(x).split(self.sizes, dim=-1)
+
+    def pack(self, rows: int = 4) -> None:
+        with torch.device("meta"):
+            whole = Linear(self.parts[0].in_features, sum(self.sizes), bias=False)
+        whole.weight = nn.Parameter(torch.cat([m.weight.detach() for m in self.parts]), requires_grad=False)
+        for m in self.parts:
+            m.weight = None  # 拼好之后各自那份就不要了
+        whole.pack(rows)
+        self.whole = whole
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
@@ -351,7 +385,8 @@ def preferred_dtype() -> torch.dtype:
 
 def num_params(module: nn.Module) -> int:
     """参数个数，打包后释放了普通权重的矩阵也算上。"""
-    packed = sum(m.packed.numel() for m in module.modules() if isinstance(m, Linear) and m.weight is None)
+    packed = sum(m.packed.numel() for m in module.modules()
+                 if isinstance(m, Linear) and m.weight is None and m.packed is not None)
     return sum(p.numel() for p in module.parameters()) + packed
 
 
@@ -365,10 +400,15 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack_linears(module: nn.Module, keep: tuple = ()) -> int:
-    """把 module 里每个 Linear 打包（keep 里的保留普通权重），返回打包了几个。不支持时什么也不做。"""
-    linears = [m for m in module.modules() if isinstance(m, Linear) and m.packed is None]
+    """把 module 里的矩阵打包：先把每个 Fused 组拼成一个矩阵，再打包其余的 Linear（keep 里的保留普通权重）。
+    返回打包了几个矩阵；这台机器不支持时什么也不做。"""
+    linears = [m for m in module.modules() if isinstance(m, Linear) and m.packed is None and m.weight is not None]
     if not linears or not can_pack(linears[0].weight):
         return 0
-    for m in linears:
+    groups = [m for m in module.modules() if isinstance(m, Fused) and m.whole is None]
+    for g in groups:
+        g.pack()
+    rest = [m for m in linears if m.weight is not None]  # 已并进某个 Fused 的，weight 已是 None
+    for m in rest:
         m.pack(keep_weight=any(m is k for k in keep))
-    return len(linears)
+    return len(groups) + len(rest)

@@ -23,7 +23,9 @@ def tiny_model(tiny):
 def packed_model(tiny):
     """默认加载：矩阵打包成 oneDNN 布局（累加顺序不同，差在 float32 舍入的量级）。"""
     model = Model.from_pretrained(tiny[0], dtype=torch.float32)
-    assert model.layers[0].mlp.up_proj.packed is not None and model.layers[0].mlp.up_proj.weight is None
+    mlp = model.layers[0].mlp
+    assert mlp.up_proj.weight is None and mlp.gate_up.whole.packed is not None  # gate、up 拼成一个打包的矩阵
+    assert mlp.down_proj.packed is not None and mlp.down_proj.weight is None
     assert model.lm_head.packed is not None and model.embed_tokens.weight is not None
     return model
 
@@ -169,7 +171,7 @@ def test_bfloat16_greedy_agrees_with_float32(widths08b):
     path, _ = widths08b
     m32 = _w08b_model(path)
     m16 = Model.from_pretrained(path, dtype=torch.bfloat16)
-    assert m16.layers[0].linear_attn.in_proj_qkv.dtype == torch.bfloat16
+    assert m16.layers[0].linear_attn.out_proj.dtype == torch.bfloat16
     assert m16.layers[0].linear_attn.A_log.dtype == torch.float32
     ids = prompt(m32.cfg.vocab_size, 64, seed=3)
     state = State(m16)
