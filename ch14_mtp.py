@@ -59,7 +59,7 @@ def main(argv=None):
 
     try:
         model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype))
-        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.embed_tokens.weight.dtype, draft_vocab=args.draft_vocab)
+        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.lm_head.dtype, draft_vocab=args.draft_vocab)
         chat = Chat(model)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"错误：{e}")
@@ -73,7 +73,7 @@ def main(argv=None):
         how = f"固定 {args.draft_tokens} 个"
     else:
         how = f"自动（按接受率挑 1～4 个；这台机器上每多起草一个 token 约多花一步的 {extra_cost(model):.0%}）"
-    print(f"线程 {torch.get_num_threads()}，dtype {str(model.embed_tokens.weight.dtype).removeprefix('torch.')}，"
+    print(f"线程 {torch.get_num_threads()}，dtype {str(model.lm_head.dtype).removeprefix('torch.')}，"
           f"每轮起草：{how}\n")
 
     color = sys.stdout.isatty()

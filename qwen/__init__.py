@@ -8,10 +8,11 @@ from .batch import generate_batch
 from .cache import State
 from .chat import Chat, build_prompt
 from .model import Model
+from .mtp import MTP, generate_mtp
 from .sample import generate, stream
 from .weights import Config, find_model, load_config, load_weights
 
 __all__ = [
-    "Chat", "Config", "Model", "State", "build_prompt", "find_model", "generate", "generate_batch",
-    "load_config", "load_weights", "stream",
+    "MTP", "Chat", "Config", "Model", "State", "build_prompt", "find_model", "generate", "generate_batch",
+    "generate_mtp", "load_config", "load_weights", "stream",
 ]

@@ -25,7 +25,7 @@ def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0,
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts 不能为空，每个提示词至少要有一个 token")
     B, L = len(prompts), max(len(p) for p in prompts)
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device
     ids = torch.zeros(B, L, dtype=torch.long)
     valid = torch.zeros(B, L, dtype=torch.bool)
     for b, p in enumerate(prompts):

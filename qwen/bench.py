@@ -118,7 +118,7 @@ def bytes_per_token(model) -> int:
             for name, p in m.named_parameters(recurse=False):
                 if m is not model.embed_tokens:
                     total += p.numel() * p.element_size()
-    return total + model.cfg.hidden_size * model.embed_tokens.weight.element_size()
+    return total + model.cfg.hidden_size * model.lm_head.dtype.itemsize
 
 
 def timed(fn):

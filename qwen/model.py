@@ -20,8 +20,8 @@ from .embedding import Embedding
 from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
-from .weights import (Config, Linear, check_state_dict, find_model, load_config, load_weights, pack_linears,
-                      preferred_dtype)
+from .weights import (Config, Linear, RowReader, check_state_dict, find_model, load_config, load_weights,
+                      pack_linears, preferred_dtype, tensor_file)
 
 
 PREFILL_PIECE = 128  # 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长
@@ -40,7 +40,7 @@ class Model(nn.Module):
 
     def check_ids(self, ids, state) -> torch.Tensor:
         """把输入整理成 [B, T] 的 long 张量，不合法时给出清楚的错误。"""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.embed_tokens.weight.device)
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.norm.weight.device)
         if ids.ndim == 1:
             ids = ids[None]  # [T] → [1, T]
         if ids.ndim != 2:
@@ -75,7 +75,7 @@ class Model(nn.Module):
             x = layer(x, cos, sin, None if state is None else state.layers[i], valid)
         if state is not None:
             state.pos += T
-        return self.norm(x).to(self.embed_tokens.weight.dtype)
+        return self.norm(x).to(self.lm_head.dtype)
 
     def forward(self, ids, state=None, last: bool = False) -> torch.Tensor:
         """logits [B, T, vocab]（float32）；last=True 时只算最后一个位置 [B, 1, vocab]，预填充省下大量计算。"""
@@ -90,8 +90,9 @@ class Model(nn.Module):
 
         dtype 默认 preferred_dtype()：CPU 支持 bfloat16 时用 bfloat16，否则 float32。
 
-        pack=True（默认）时在 CPU 上把矩阵打包成 oneDNN 布局（第 1 章的 Linear.pack）：
-        只影响速度。要训练或修改权重时用 pack=False。
+        pack=True（默认）时在 CPU 上把矩阵打包成 oneDNN 布局（第 1 章的 Linear.pack 与 Fused）：
+        只影响速度与内存，不影响结果。输出头也打包之后，嵌入表不再留在内存里，查表时从检查点文件按行读
+        （第 1 章的 RowReader），所以模型活着的时候检查点文件要在。要训练或修改权重时用 pack=False。
         """
         path = find_model(path)
         cfg = load_config(path)
@@ -108,7 +109,8 @@ class Model(nn.Module):
         del sd  # 此后只有模型引用这些张量：打包时每换掉一个矩阵，旧的那份立刻释放
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
-        if pack:  # 共用的嵌入矩阵查表还要用，lm_head 另存一份打包的
-            pack_linears(model, keep=(model.lm_head,) if cfg.tie_word_embeddings else ())
+        if pack and pack_linears(model):  # 输出头也打包了：嵌入表留在文件里，查表时按行读（第 2 章）
+            model.embed_tokens.weight = None  # 与输出头共用时，打包前的那份到这里才真正释放
+            model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
         model.path = path
         return model.eval()

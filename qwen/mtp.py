@@ -35,8 +35,8 @@ from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
-from .weights import (Linear, check_state_dict, find_model, gemv, load_weights, pack_linears,
-                      preferred_dtype)
+from .weights import (Linear, RowReader, check_state_dict, find_model, gemv, load_weights, pack_linears,
+                      preferred_dtype, tensor_file)
 
 # 起草只给词表前这么多个 token 打分。BPE 词表按合并顺序编号，靠前的 id 是训练语料里最常见的片段；
 # 草稿只是猜测，猜不到冷门 token 只是少接受一次，输出仍由主模型的验证决定，与贪心逐 token 相同。
@@ -55,6 +55,7 @@ class MTP(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.draft_vocab = None  # 起草时只给词表前这么多个 token 打分；None 时给全词表打分
+        self.draft_rows = None  # [draft_vocab, h]：输出头的前 draft_vocab 行（from_pretrained 读出）
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后，送进共用的 lm_head）。
@@ -93,12 +94,16 @@ class MTP(nn.Module):
         return drafts, qs
 
     def draft_logits(self, model, x):
-        """草稿头的输出 x [B, 1, h] → float32 logits。只打前 draft_vocab 个 token 的分时，
-        输出矩阵就是共用嵌入的前 draft_vocab 行：一个视图，不占额外内存，一行输入走 gemv（第 1 章）。"""
-        weight = model.lm_head.weight  # 与嵌入共用时它一直是普通布局；不共用且已打包时为 None
-        if self.draft_vocab is None or self.draft_vocab >= model.cfg.vocab_size or weight is None:
+        """草稿头的输出 x [B, 1, h] → float32 logits。只打前 draft_vocab 个 token 的分时，输出矩阵就是
+        输出头的前 draft_vocab 行（draft_rows，加载时读出；模型没打包时直接取 lm_head.weight 的视图），
+        一行输入走 gemv（第 1 章）。"""
+        if self.draft_vocab is None or self.draft_vocab >= model.cfg.vocab_size:
             return model.lm_head(x).float()
-        return gemv(x, weight[: self.draft_vocab]).float()  # [B, 1, draft_vocab]
+        rows = self.draft_rows if self.draft_rows is not None else model.lm_head.weight
+        if rows is None or rows.shape[0] < self.draft_vocab:
+            raise ValueError(f"草稿头要输出头的前 {self.draft_vocab} 行，但手上只有 {0 if rows is None else rows.shape[0]} 行："
+                             "请用 MTP.from_pretrained(..., draft_vocab=...) 重新加载")
+        return gemv(x, rows[: self.draft_vocab]).float()  # [B, 1, draft_vocab]
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
@@ -117,6 +122,9 @@ class MTP(nn.Module):
         if pack:
             pack_linears(mtp)
         mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
+        if mtp.draft_vocab is not None:  # 输出头的前 draft_vocab 行：普通布局的一份小副本（0.8B 取 32768 行时 64 MB）
+            head = ("model.", "embed_tokens.weight") if cfg.tie_word_embeddings else ("", "lm_head.weight")
+            mtp.draft_rows = RowReader(*tensor_file(path, *head), dtype).head(mtp.draft_vocab)
         return mtp.eval()
 
 
@@ -226,7 +234,7 @@ def extra_cost(model) -> float:
     估为 1.5/L（0.8B：L = 24，约 0.06；实测验证 2～4 行的一步比只算 1 行多 5%～15%）。这要求多出的一行几乎不花钱：
     打包的矩阵（第 1 章）或 GPU 上确实如此；CPU 上没打包时，每多一行几乎多一整步。
     """
-    flat = model.lm_head.packed is not None or model.embed_tokens.weight.is_cuda
+    flat = model.lm_head.packed is not None or model.norm.weight.is_cuda
     return 1.5 / model.cfg.num_hidden_layers if flat else 0.9
 
 

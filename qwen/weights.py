@@ -14,8 +14,10 @@ safetensors 的好处是可以“按名字懒读取”：只打开文件头，�
 速度的上限是“权重字节数 ÷ 内存带宽”。PyTorch 在 CPU 上做 bfloat16 矩阵乘法时交给 oneDNN，
 而 oneDNN 每次调用都先把 [out, in] 的权重重排成它的分块布局：权重实际被读写了三遍。
 Linear.pack() 在加载时把这个重排只做一次，之后每次调用只读一遍权重，而且 1 到 8 行输入
-（投机解码一次验证几个 token）花的时间几乎一样。只有一行输入、又留着普通布局的矩阵（与嵌入共用的输出头），
-则走 PyTorch 自带的 gemv（gemv()），它对一行最快。这是本书唯一的“性能布局”，只影响速度，不影响结果。
+（投机解码一次验证几个 token）花的时间几乎一样。几个读同一输入的矩阵（q、k、v 投影）还可以拼成一个再打包（Fused）。
+没打包、只有一行输入的 bfloat16 矩阵（比如草稿头用的输出头前几行）走 PyTorch 自带的 gemv（gemv()），
+它对一行最快。这是本书唯一的“性能布局”，只影响速度，不影响结果。
+打包之后输出头已有一份打包的副本，与它共用的嵌入表就不必再放在内存里：RowReader 按行从文件里读。
 """
 
 from __future__ import annotations
@@ -210,6 +212,56 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
     return out
 
 
+def tensor_file(path: str | os.PathLike, part: str, key: str) -> tuple[Path, str]:
+    """一个张量在检查点的哪个文件里、全名是什么。key 去掉了前缀，如 part="model."、key="embed_tokens.weight"。"""
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            names = set(f.keys())
+        for prefix in part_prefixes(part):
+            if prefix + key in names:
+                return file, prefix + key
+    raise ValueError(f"检查点 {path} 里没有张量 {key}（前缀 {' 或 '.join(part_prefixes(part))}）")
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+class RowReader:
+    """检查点里的一个二维张量，留在磁盘上：reader[ids] 只读出这几行。
+
+    打包的模型用它装词嵌入表（第 2、10 章）：输出头已经有一份打包的副本，查表每个 token 只要一行，
+    没必要在内存里再放一份 0.5 GB 的普通布局。safetensors 文件是 8 字节的头长度 n、n 字节的 JSON 头
+    （每个张量的 dtype、shape 与 data_offsets），再接原始字节，所以第 i 行在固定的偏移处，直接读出来即可。
+    不用内存映射：映射里读过的页会算进本进程的常驻内存，内核还会顺带映射周围的一大片。
+    """
+
+    def __init__(self, file: str | os.PathLike, name: str, dtype: torch.dtype | None = None):
+        self.file = open(file, "rb")  # 一直开着：对象回收时随之关闭
+        n = int.from_bytes(self.file.read(8), "little")
+        info = json.loads(self.file.read(n))[name]
+        if info["dtype"] not in SAFETENSORS_DTYPES or len(info["shape"]) != 2:
+            raise ValueError(f"{file} 里的 {name} 是 {info['dtype']} {info['shape']}：按行读只支持二维的浮点张量")
+        self.file_dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        self.shape = tuple(info["shape"])  # [行数, 列数]
+        self.dtype = dtype or self.file_dtype
+        self.row_bytes = self.shape[1] * self.file_dtype.itemsize
+        self.start = 8 + n + info["data_offsets"][0]  # 这个张量的第 0 行在文件里的偏移
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids 任意形状的整数张量 → [..., 列数]，dtype 为 self.dtype。"""
+        buf = bytearray()
+        for i in ids.flatten().tolist():
+            self.file.seek(self.start + i * self.row_bytes)
+            buf += self.file.read(self.row_bytes)
+        return torch.frombuffer(buf, dtype=self.file_dtype).view(*ids.shape, self.shape[1]).to(self.dtype)
+
+    def head(self, n: int) -> torch.Tensor:
+        """前 n 行，一次连续读出：[n, 列数]。"""
+        self.file.seek(self.start)
+        buf = bytearray(self.file.read(n * self.row_bytes))
+        return torch.frombuffer(buf, dtype=self.file_dtype).view(n, self.shape[1]).to(self.dtype)
+
+
 def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
     """读一个张量到自己的内存里。
 
@@ -300,8 +352,7 @@ PAD_ROWS = 4  # 打包的 bfloat16 矩阵乘法：不足这么多行时补零行
 class Linear(nn.Linear):
     """nn.Linear（无偏置也行），多一个 pack()：把权重一次性重排成 oneDNN 的分块布局。
 
-    打包之后 forward 用 oneDNN 的 linear 直接读打包好的权重；原来的 weight 默认释放
-    （keep_weight=True 时保留，比如 lm_head 与嵌入共用的那个矩阵：查表还要用它）。
+    打包之后 forward 用 oneDNN 的 linear 直接读打包好的权重，原来的 weight 释放（设为 None）。
     打包只用于推理：打包后的权重不参与求导，也不在 state_dict 里。
     """
 
@@ -311,11 +362,10 @@ class Linear(nn.Linear):
     def dtype(self) -> torch.dtype:
         return (self.weight if self.packed is None else self.packed).dtype
 
-    def pack(self, rows: int = 4, keep_weight: bool = False) -> None:
+    def pack(self, rows: int = 4) -> None:
         """rows 是预计的输入行数（oneDNN 按它挑布局），实际行数多少都能算。"""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
-        if not keep_weight:
-            self.weight = None  # 释放普通布局的那一份：内存里只留一份权重
+        self.weight = None  # 释放普通布局的那一份：内存里只留一份权重
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16 and not x.is_cuda:
@@ -399,9 +449,9 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-def pack_linears(module: nn.Module, keep: tuple = ()) -> int:
-    """把 module 里的矩阵打包：先把每个 Fused 组拼成一个矩阵，再打包其余的 Linear（keep 里的保留普通权重）。
-    返回打包了几个矩阵；这台机器不支持时什么也不做。"""
+def pack_linears(module: nn.Module) -> int:
+    """把 module 里的矩阵打包：先把每个 Fused 组拼成一个矩阵，再打包其余的 Linear。
+    返回打包了几个矩阵；这台机器不支持时什么也不做，返回 0。"""
     linears = [m for m in module.modules() if isinstance(m, Linear) and m.packed is None and m.weight is not None]
     if not linears or not can_pack(linears[0].weight):
         return 0
@@ -410,5 +460,5 @@ def pack_linears(module: nn.Module, keep: tuple = ()) -> int:
         g.pack()
     rest = [m for m in linears if m.weight is not None]  # 已并进某个 Fused 的，weight 已是 None
     for m in rest:
-        m.pack(keep_weight=any(m is k for k in keep))
+        m.pack()
     return len(groups) + len(rest)

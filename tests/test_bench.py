@@ -41,8 +41,8 @@ def test_bytes_per_token_counts_every_matrix_once(tiny):
         assert (model.lm_head.packed is not None) == packed
         unique = sum(p.numel() * p.element_size() for p in model.parameters())  # 打包后释放的不在这里
         unique += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
-                      if getattr(m, "packed", None) is not None and m is not model.lm_head)
-        row = model.cfg.hidden_size * model.embed_tokens.weight.element_size()
+                      if getattr(m, "packed", None) is not None)  # 打包时嵌入表留在文件里，输出头只有打包的一份
+        row = model.cfg.hidden_size * dtype.itemsize
         assert bytes_per_token(model) == unique + row
 
 

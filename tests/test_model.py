@@ -26,7 +26,7 @@ def packed_model(tiny):
     mlp = model.layers[0].mlp
     assert mlp.up_proj.weight is None and mlp.gate_up.whole.packed is not None  # gate、up 拼成一个打包的矩阵
     assert mlp.down_proj.packed is not None and mlp.down_proj.weight is None
-    assert model.lm_head.packed is not None and model.embed_tokens.weight is not None
+    assert model.lm_head.packed is not None and model.embed_tokens.weight is None  # 嵌入表留在文件里，按行读
     return model
 
 
@@ -204,3 +204,34 @@ def test_load_weights_parts(tiny):
     assert text["layers.0.linear_attn.A_log"].dtype == torch.float32  # 一维参数保持 float32
     mtp = load_weights(path, "mtp.")
     assert "fc.weight" in mtp and "layers.0.self_attn.q_proj.weight" in mtp and len(mtp) == 15
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_reader_matches_safetensors(tmp_path, dtype):
+    """RowReader 按偏移从文件里读出的行，与 safetensors 读出的整个张量逐位相同；其他 dtype 照样转换。"""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qwen.weights import RowReader
+
+    table = torch.randn(300, 24).to(dtype)
+    save_file({"a.bias": torch.randn(7), "b.table": table, "c": torch.randn(3, 5)}, str(tmp_path / "t.safetensors"))
+    with safe_open(tmp_path / "t.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("b.table"), table)
+    rows = RowReader(tmp_path / "t.safetensors", "b.table")
+    ids = torch.tensor([[0, 299, 7], [7, 7, 150]])
+    assert rows.shape == (300, 24) and rows.dtype == dtype
+    assert torch.equal(rows[ids], table[ids])
+    assert torch.equal(rows.head(10), table[:10])
+    as32 = RowReader(tmp_path / "t.safetensors", "b.table", torch.float32)
+    assert as32[ids].dtype == torch.float32 and torch.equal(as32[ids], table[ids].float())
+    with pytest.raises(ValueError, match="二维"):
+        RowReader(tmp_path / "t.safetensors", "a.bias")
+
+
+def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
+    """打包后嵌入表不在内存里：查表从文件读出的行与普通模型的嵌入逐位相同。"""
+    packed = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    assert packed.embed_tokens.weight is None and packed.lm_head.weight is None
+    ids = prompt(packed.cfg.vocab_size, 9, seed=5)
+    assert torch.equal(packed.embed_tokens(ids), tiny_model.embed_tokens(ids))

@@ -312,6 +312,14 @@ def test_draft_vocab_subset(lively, model):
         r = speculate(model, head, ids, 20, draft_tokens=2)
         assert r.tokens == generate(model, ids, 20)
     assert len(seen) > 20 and max(seen) < 100
+    assert head.draft_rows.shape == (100, model.cfg.hidden_size)  # 只读出输出头的前 100 行
+    with torch.inference_mode():
+        x = torch.randn(1, 1, model.cfg.hidden_size)
+        plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
+        assert torch.allclose(head.draft_logits(model, x), plain.lm_head(x)[..., :100], atol=1e-5)
+        head.draft_vocab = 200
+        with pytest.raises(ValueError, match="前 200 行"):
+            head.draft_logits(model, x)
     assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=None).draft_vocab is None
     assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=10_000).draft_vocab is None  # 比词表还大：全词表
 
