@@ -10,6 +10,8 @@ Qwen3.5 每四层里有一层是“完整”的 softmax 注意力，在标准做
     out = o_proj(softmax(q kᵀ / sqrt(d) + 因果掩码) v * sigmoid(g))
 
 解码时每步只算新 token 的 q、k、v，旧的 k、v 从缓存里取：这就是 KV 缓存（AttentionState）。
+投影之后的注意力一律在 float32 里算，缓存也存 float32：CPU 上 bfloat16 的 scaled_dot_product_attention
+慢得多（实测解码一步、上下文 2000 时 3.5 ms 对 0.45 ms），而缓存每个 token 每层只有 4 KB。
 """
 
 import torch
@@ -82,7 +84,7 @@ class Attention(nn.Module):
         """x [B, T, hidden]；valid [B, L] 为真表示该位置是真实 token（批处理左填充时用）。"""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x)  # 就是 q_proj(x)、k_proj(x)、v_proj(x)
+        q, k, v = (t.float() for t in self.qkv(x))  # 就是 q_proj(x)、k_proj(x)、v_proj(x)；注意力在 float32 里算
         q, gate = q.view(B, T, H, 2 * D).chunk(2, dim=-1)  # 每个头：[查询 256 | 门 256]
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.view(B, T, Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
@@ -105,4 +107,4 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=H != Hkv)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]
         out = out * torch.sigmoid(gate.reshape(B, T, H * D))  # 输出门
-        return self.o_proj(out)  # [B, T, hidden]
+        return self.o_proj(out.to(x.dtype))  # [B, T, hidden]

@@ -138,9 +138,9 @@ class GatedDeltaNet(nn.Module):
             x = torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype))
         qkv, z, b, a = self.in_proj(x)  # 就是 in_proj_qkv(x)、in_proj_z(x)、in_proj_b(x)、in_proj_a(x)
         qkv, full = self.causal_conv(qkv, state)  # [B, T, 6144]，float32
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.view(B, T, Hk, Dk)) * Dk**-0.5  # [B, T, Hk, Dk]
-        k = l2norm(k.view(B, T, Hk, Dk))
+        qk, v = qkv.split([2 * self.key_dim, self.value_dim], dim=-1)
+        q, k = l2norm(qk.view(B, T, 2 * Hk, Dk)).split(Hk, dim=2)  # q、k 的每个头一起做 L2 归一化：[B, T, Hk, Dk]
+        q = q * Dk**-0.5
         v = v.view(B, T, Hv, Dv)
         if Hv > Hk:  # 值头多于键头：每个 q、k 头服务相邻的 Hv/Hk 个值头
             q = q.repeat_interleave(Hv // Hk, dim=2)

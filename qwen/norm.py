@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x²) + eps)，在 float32 里算。
+def rms(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps)，再乘 weight（给了的话），在 float32 里算。
 
-    就是 x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)；F.rms_norm 把这几步
+    就是 x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * weight；F.rms_norm 把这几步
     合成一个运算（结果相同），解码一个 token 要做上百次归一化，省下的是每次运算的固定开销。
     """
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))  # 存的是相对 1 的偏移
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).to(x.dtype)  # 乘权重合在同一个运算里
+        return rms(x, self.eps, 1.0 + self.weight.float()).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,5 +46,5 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = rms(o, self.eps) * self.weight.float() * F.silu(z.float())  # 先归一化，再乘门
+        y = rms(o, self.eps, self.weight.float()) * F.silu(z.float())  # 先归一化（乘 w），再乘门
         return y.to(o.dtype)
