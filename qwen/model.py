@@ -20,8 +20,8 @@ from .embedding import Embedding
 from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
-from .weights import (Config, Linear, RowReader, check_state_dict, find_model, load_config, load_weights,
-                      pack_linears, preferred_dtype, tensor_file)
+from .weights import (Config, Linear, RowReader, can_pack, check_state_dict, find_model, load_config,
+                      load_weights, pack_linears, preferred_dtype, tensor_file)
 
 
 PREFILL_PIECE = 128  # 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长
@@ -109,8 +109,10 @@ class Model(nn.Module):
         del sd  # 此后只有模型引用这些张量：打包时每换掉一个矩阵，旧的那份立刻释放
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
-        if pack and pack_linears(model):  # 输出头也打包了：嵌入表留在文件里，查表时按行读（第 2 章）
-            model.embed_tokens.weight = None  # 与输出头共用时，打包前的那份到这里才真正释放
+        if pack and can_pack(model.lm_head.weight):
+            model.lm_head.pack()  # 先打包最大的输出头，再把嵌入表留在文件里、查表时按行读（第 2 章）：
+            model.embed_tokens.weight = None  # 普通布局的那 0.5 GB 这就释放，之后打包各层时内存峰值低一些
             model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
+            pack_linears(model)
         model.path = path
         return model.eval()
