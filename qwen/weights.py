@@ -236,7 +236,7 @@ class RowReader:
     """
 
     def __init__(self, file: str | os.PathLike, name: str, dtype: torch.dtype | None = None):
-        self.file = open(file, "rb")  # 一直开着：对象回收时随之关闭
+        self.file = open(file, "rb")  # 一直开着，对象回收时关闭
         n = int.from_bytes(self.file.read(8), "little")
         info = json.loads(self.file.read(n))[name]
         if info["dtype"] not in SAFETENSORS_DTYPES or len(info["shape"]) != 2:
@@ -246,6 +246,10 @@ class RowReader:
         self.dtype = dtype or self.file_dtype
         self.row_bytes = self.shape[1] * self.file_dtype.itemsize
         self.start = 8 + n + info["data_offsets"][0]  # 这个张量的第 0 行在文件里的偏移
+
+    def __del__(self):
+        if hasattr(self, "file"):
+            self.file.close()
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids 任意形状的整数张量 → [..., 列数]，dtype 为 self.dtype。"""
@@ -415,7 +419,7 @@ class Fused(nn.Module):
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """一行输入乘普通布局的权重。CPU 上的 bfloat16 绕开 oneDNN（它每次都先重排权重），用 PyTorch 自带的 gemv，
-    读一遍权重就算完；其他情况就是 F.linear。解码时的 lm_head（与嵌入共用、本来就留着普通布局）和草稿头走这里。
+    读一遍权重就算完；其他情况就是 F.linear。草稿头（输出头的前几万行，第 14 章）与没打包的模型走这里。
     开关 oneDNN 的是进程级的标志：别的线程若在同一时刻做矩阵乘法，也会短暂地不用 oneDNN（结果不变，只是慢些）。"""
     if x.dtype != torch.bfloat16 or x.is_cuda:
         return F.linear(x, weight, bias)
