@@ -3,7 +3,9 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from qwen import Config, Model, load_config
@@ -70,3 +72,14 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     assert res["runs"]["float32"]["greedy_agreement"] == 1.0  # float32 下与 transformers 的贪心逐 token 相同
     assert "投机解码" in p.stdout and "| bfloat16 |" in p.stdout
     assert report(res).splitlines()[0].startswith("机器：")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="只在 Linux 上读 VmHWM")
+def test_peak_rss_of_a_child_ignores_the_parent():
+    """子进程的峰值内存只算它自己的：父进程先占过 1 GB，子进程（只导入 torch）报的仍远小于它。"""
+    big = torch.ones(2**28)  # 1 GiB，写过一遍才真的常驻
+    big += 1
+    code = "from qwen.bench import peak_rss_gb; print(peak_rss_gb())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    del big
+    assert 0.05 < child < 0.9
