@@ -230,12 +230,13 @@ def verify(drafts, qs, logits, temperature, top_k, top_p, gen):
 def extra_cost(model) -> float:
     """每多起草一个 token，一轮约多花几次普通解码步。
 
-    草稿头是一个解码层，主模型有 L 个，起草一次约是一步的 1/L；再加上它的输出头和验证时多出的一行，
-    估为 1.5/L（0.8B：L = 24，约 0.06；实测验证 2～4 行的一步比只算 1 行多 5%～15%）。这要求多出的一行几乎不花钱：
+    起草一个是草稿头的一层（主模型有 L 层，约 1/L）加上输出头的前 32768 行（0.8B 上又约 1/L），
+    验证时多出的一行再加约 0.5/L，合计估为 2.5/L（0.8B：L = 24，约 0.10；实测起草一个约 5 ms、
+    验证 2～5 行的一步比只算 1 行多 6%～13%，一步约 65 ms）。这要求多出的一行几乎不花钱：
     打包的矩阵（第 1 章）或 GPU 上确实如此；CPU 上没打包时，每多一行几乎多一整步。
     """
     flat = model.lm_head.packed is not None or model.norm.weight.is_cuda
-    return 1.5 / model.cfg.num_hidden_layers if flat else 0.9
+    return 2.5 / model.cfg.num_hidden_layers if flat else 0.9
 
 
 def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRAFTS) -> int:
