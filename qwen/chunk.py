@@ -29,9 +29,10 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: int = CHUNK):
+def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_place: bool = False, chunk: int = CHUNK):
     """与 recurrent_gated_delta_rule 同签名：q、k [B, H, T, Dk]，v [B, H, T, Dv]，g、beta [B, H, T]，
     S [B, H, Dk, Dv]，全部 float32。返回 (输出 [B, H, T, Dv], 最终 S, keep_all 时的 (S₀, G, K, U) 或 None)。
+    in_place 只是允许覆盖 S；这里每块只更新一次 S，不值得，所以不用它。
 
     比一块短的输入就是一块（不补齐）。keep_all 只支持这种单块输入：验证草稿时只有几个 token。
     """

@@ -52,3 +52,19 @@ def test_chunked_is_differentiable():
     o, S, _ = chunk_gated_delta_rule(q, k, v, g, beta, S0)
     (o.sum() + S.sum()).backward()
     assert v.grad is not None and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("T", [1, 2, 3])
+@pytest.mark.parametrize("keep_all", [False, True])
+def test_recurrent_in_place(T, keep_all):
+    """in_place=False 时调用者的 S 不被改动；in_place=True 时就地更新，结果与不就地时相同（keep_all 时照样不改 S₀）。"""
+    q, k, v, g, beta, S0 = inputs(T, seed=T)
+    before = S0.clone()
+    o1, S1, p1 = recurrent_gated_delta_rule(q, k, v, g, beta, S0, keep_all=keep_all)
+    assert torch.equal(S0, before)
+    o2, S2, p2 = recurrent_gated_delta_rule(q, k, v, g, beta, S0, keep_all=keep_all, in_place=True)
+    assert torch.equal(o1, o2) and torch.equal(S1, S2)
+    if keep_all:
+        assert torch.equal(S0, before) and torch.equal(p2[0], before)  # state_after 要的 S₀ 还是原来的
+    else:
+        assert S2.data_ptr() == S0.data_ptr()  # 真的就地：返回的就是传入的那块内存
