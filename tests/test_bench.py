@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qwen import Config, Model, load_config
-from qwen.bench import bytes_per_token, ideal, random_checkpoint, report
+from qwen.bench import bytes_per_token, ideal, merge_rounds, random_checkpoint, report
 from qwen.mtp import MTP
 from qwen.weights import safetensors_files
 
@@ -48,6 +48,14 @@ def test_bytes_per_token_counts_every_matrix_once(tiny):
         assert bytes_per_token(model) == unique + row
 
 
+def test_merge_rounds_takes_the_fastest_decode_with_its_own_bandwidth():
+    a = dict(decode_tok_s=10.0, bandwidth_gb_s=30.0, prefill_s=2.0, peak_rss_gb=2.3, spec=[1])
+    b = dict(decode_tok_s=12.0, bandwidth_gb_s=50.0, prefill_s=2.5, peak_rss_gb=2.1)
+    m = merge_rounds([a, b])
+    assert (m["decode_tok_s"], m["bandwidth_gb_s"], m["prefill_s"], m["peak_rss_gb"]) == (12.0, 50.0, 2.0, 2.3)
+    assert m["spec"] == [1] and m["decode_rounds"] == [10.0, 12.0]
+
+
 def test_ideal_speedup():
     assert ideal(0.5, 1) == 1.5 and abs(ideal(0.9, 3) - 3.439) < 1e-9
 
@@ -65,7 +73,8 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     for dtype in ("bfloat16", "float32"):
         run = res["runs"][dtype]
         assert run["qwen"]["decode_tok_s"] > 0 and run["transformers"]["decode_tok_s"] > 0
-        assert run["qwen"]["peak_rss_gb"] > 0 and res["bandwidth_gb_s"] > 0
+        assert run["qwen"]["peak_rss_gb"] > 0 and run["qwen"]["bandwidth_gb_s"] > 0
+        assert len(run["qwen"]["decode_rounds"]) == len(run["transformers"]["decode_rounds"]) == 2
     spec = res["runs"]["bfloat16"]["qwen"]["spec"]
     assert len(spec) == 9 + 4 + 3
     assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
