@@ -128,7 +128,7 @@ class GatedDeltaNet(nn.Module):
         past = state.conv if state is not None and state.conv is not None else x.new_zeros(B, self.kernel - 1, C)
         full = torch.cat([past.float(), x.float()], dim=1)  # [B, 3 + T, C]：前面接上最近 3 个输入
         windows = full.unfold(1, self.kernel, 1)  # [B, T, C, 4]：每个位置最近 4 个输入（视图，不复制）
-        y = (windows * self.conv1d.weight[:, 0].float()).sum(-1)  # 权重 [C, 4]：逐通道乘加
+        y = (windows * self.conv1d.weight[:, 0].float()).sum(-1)  # 权重 [C, 4]（加载时已是 float32）：逐通道乘加
         return F.silu(y), full
 
     def forward(self, x, state: DeltaNetState | None = None, valid=None, rule=recurrent_gated_delta_rule):

@@ -189,8 +189,9 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
     """读出检查点的一个部分，去掉前缀后返回 {名字: 张量}。
 
     part="model." 取文本模型（lm_head.weight 若存在也一并返回），part="mtp." 取草稿头。
-    model.visual.* 永远不读。dtype 给定时，浮点的矩阵转成 dtype；一维张量（各种 norm 的权重、
-    A_log、dt_bias）保留 float32：它们很小，却直接决定数值精度。
+    model.visual.* 永远不读。dtype 给定时，浮点的矩阵转成 dtype；其余张量（各种 norm 的权重、
+    A_log、dt_bias 这些一维的，还有 [C, 1, 4] 的卷积核）用 float32：它们很小，却直接决定数值精度，
+    而且本来就在 float32 里参与计算，存成 float32 也省得每一步再转一次。
     """
     prefixes = part_prefixes(part)
     out = {}
@@ -320,10 +321,10 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """矩阵转成计算用的 dtype；一维参数一律 float32。"""
+    """矩阵（二维）转成计算用的 dtype；其余的浮点参数（一维的 norm 权重等、三维的卷积核）一律 float32。"""
     if not t.is_floating_point():
         return t
-    if t.ndim <= 1:
+    if t.ndim != 2:
         return t.float()
     return t if dtype is None else t.to(dtype)
 

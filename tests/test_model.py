@@ -202,6 +202,8 @@ def test_load_weights_parts(tiny):
     assert "embed_tokens.weight" in text and not any(k.startswith(("visual", "language_model", "mtp")) for k in text)
     assert text["embed_tokens.weight"].dtype == torch.bfloat16
     assert text["layers.0.linear_attn.A_log"].dtype == torch.float32  # 一维参数保持 float32
+    assert text["layers.0.linear_attn.conv1d.weight"].dtype == torch.float32  # 卷积核也是：它在 float32 里参与计算
+    assert text["layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16  # 只有矩阵用计算 dtype
     mtp = load_weights(path, "mtp.")
     assert "fc.weight" in mtp and "layers.0.self_attn.q_proj.weight" in mtp and len(mtp) == 15
 
