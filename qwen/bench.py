@@ -211,8 +211,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool) -> dict:
 
     # 解码速度与带宽下限：每次解码前后各测一次带宽，下限用同一时刻的带宽（取前后大的那个，下限更紧）
     probe = torch.ones(int(PROBE_GIB * 2**30) // 4)
-    with torch.inference_mode():
-        decode()  # 预热
+    decode()  # 预热
     reps = []
     for _ in range(3):
         before = read_bandwidth(probe)
