@@ -373,7 +373,7 @@ class Linear(nn.Linear):
         self.weight = None  # 释放普通布局的那一份：内存里只留一份权重
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:  # 先判断打包：解码一步要调用近百次，少做几次属性查找也算数
+        if self.packed is not None:  # 打包的（CPU 上默认）：用 oneDNN 读打包好的权重
             rows = x.numel() // x.shape[-1]
             if rows < PAD_ROWS and x.dtype == torch.bfloat16:
                 # 打包布局的 bfloat16 内核读权重的速度随行数上升，到 4 行才最快（实测 1 行约 29 GB/s，4 行约 35 GB/s）；
