@@ -116,8 +116,8 @@ def bytes_per_token(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            w = m.weight if m.packed is None else m.packed  # 并进 Fused 的 Linear 两者都是 None：由拼好的那个算
-            total += 0 if w is None else w.numel() * w.element_size()
+            w = next((w for w in (m.packed, m.blocks, m.weight) if w is not None), None)  # 并进 Fused 的：由拼好的那个算
+            total += 0 if w is None else m.out_features * m.in_features * w.element_size()  # 分块布局的补零行不算
         else:
             for name, p in m.named_parameters(recurse=False):
                 if m is not model.embed_tokens:

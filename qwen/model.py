@@ -20,8 +20,8 @@ from .embedding import Embedding
 from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
-from .weights import (Config, Linear, RowReader, can_pack, check_state_dict, find_model, load_config,
-                      load_weights, pack_linears, preferred_dtype, tensor_file)
+from .weights import (Config, Linear, RowReader, can_pack, check_state_dict, compile_matvec, find_model,
+                      load_config, load_weights, pack_linears, preferred_dtype, tensor_file)
 
 
 PREFILL_PIECE = 128  # 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长
@@ -85,7 +85,8 @@ class Model(nn.Module):
         return self.lm_head(h).float()
 
     @classmethod
-    def from_pretrained(cls, path=None, dtype: torch.dtype | None = None, pack: bool = True) -> "Model":
+    def from_pretrained(cls, path=None, dtype: torch.dtype | None = None, pack: bool = True,
+                        compile: bool = False) -> "Model":
         """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。
 
         dtype 默认 preferred_dtype()：CPU 支持 bfloat16 时用 bfloat16，否则 float32。
@@ -93,6 +94,9 @@ class Model(nn.Module):
         pack=True（默认）时在 CPU 上把矩阵打包成 oneDNN 布局（第 1 章的 Linear.pack 与 Fused）：
         只影响速度与内存，不影响结果。输出头也打包之后，嵌入表不再留在内存里，查表时从检查点文件按行读
         （第 1 章的 RowReader），所以模型活着的时候检查点文件要在。要训练或修改权重时用 pack=False。
+
+        compile=True（可选，CPU 上、要有 C++ 编译器）换成第 1 章的分块布局：解码与验证（1～4 行）的矩阵乘法由
+        torch.compile 生成的循环来算，解码更快；每种行数第一次用到时要编译几秒，预填充略慢。结果只差舍入。
         """
         path = find_model(path)
         cfg = load_config(path)
@@ -109,10 +113,12 @@ class Model(nn.Module):
         del sd  # 此后只有模型引用这些张量：打包时每换掉一个矩阵，旧的那份立刻释放
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
-        if pack and can_pack(model.lm_head.weight):
-            model.lm_head.pack()  # 先打包最大的输出头，再把嵌入表留在文件里、查表时按行读（第 2 章）：
+        kernel = compile_matvec() if compile and model.lm_head.weight.device.type == "cpu" else None
+        if kernel is not None or (pack and can_pack(model.lm_head.weight)):
+            # 先打包最大的输出头，再把嵌入表留在文件里、查表时按行读（第 2 章）：
+            model.lm_head.pack() if kernel is None else model.lm_head.block(kernel)
             model.embed_tokens.weight = None  # 普通布局的那 0.5 GB 这就释放，之后打包各层时内存峰值低一些
             model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
-            pack_linears(model)
+            pack_linears(model, kernel)
         model.path = path
         return model.eval()

@@ -35,8 +35,8 @@ from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
-from .weights import (Linear, RowReader, check_state_dict, find_model, gemv, load_weights, pack_linears,
-                      preferred_dtype, tensor_file)
+from .weights import (Linear, RowReader, check_state_dict, compile_matvec, find_model, gemv, load_weights,
+                      pack_linears, preferred_dtype, tensor_file)
 
 # 起草只给词表前这么多个 token 打分。BPE 词表按合并顺序编号，靠前的 id 是训练语料里最常见的片段；
 # 草稿只是猜测，猜不到冷门 token 只是少接受一次，输出仍由主模型的验证决定，与贪心逐 token 相同。
@@ -107,8 +107,9 @@ class MTP(nn.Module):
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        draft_vocab: int | None = DRAFT_VOCAB) -> "MTP":
-        """读检查点里的 mtp.*。draft_vocab：起草时只给前这么多个 token 打分（None 为全词表）。"""
+                        draft_vocab: int | None = DRAFT_VOCAB, compile: bool = False) -> "MTP":
+        """读检查点里的 mtp.*。draft_vocab：起草时只给前这么多个 token 打分（None 为全词表）。
+        pack、compile 与 Model.from_pretrained 的同名参数一样（compile=True 时矩阵换成分块布局）。"""
         path = find_model(path)
         dtype = dtype or preferred_dtype()
         sd = load_weights(path, "mtp.", dtype)
@@ -119,7 +120,9 @@ class MTP(nn.Module):
         check_state_dict({k: v.shape for k, v in mtp.state_dict().items()}, sd, f"检查点 {path} 的 MTP 草稿头")
         mtp.load_state_dict(sd, assign=True)
         del sd
-        if pack:
+        if compile and mtp.fc.weight.device.type == "cpu":
+            pack_linears(mtp, compile_matvec())
+        elif pack:
             pack_linears(mtp)
         mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
         if mtp.draft_vocab is not None:  # 输出头的前 draft_vocab 行：普通布局的一份小副本（0.8B 取 32768 行时 64 MB）
@@ -235,7 +238,7 @@ def extra_cost(model) -> float:
     验证 2～5 行的一步比只算 1 行多 6%～13%，一步约 65 ms）。这要求多出的一行几乎不花钱：
     打包的矩阵（第 1 章）或 GPU 上确实如此；CPU 上没打包时，每多一行几乎多一整步。
     """
-    flat = model.lm_head.packed is not None or model.norm.weight.is_cuda
+    flat = model.lm_head.packed is not None or model.lm_head.blocks is not None or model.norm.weight.is_cuda
     return 2.5 / model.cfg.num_hidden_layers if flat else 0.9
 
 

@@ -237,3 +237,67 @@ def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
     assert packed.embed_tokens.weight is None and packed.lm_head.weight is None
     ids = prompt(packed.cfg.vocab_size, 9, seed=5)
     assert torch.equal(packed.embed_tokens(ids), tiny_model.embed_tokens(ids))
+
+
+# ---------- compile=True：分块布局与编译的 matvec（第 1 章） ----------
+
+
+@pytest.mark.parametrize("out", [32, 45, 70])
+def test_blocks_round_trip_and_eager_matvec(out):
+    """to_blocks / from_blocks 互逆（out 不是 32 的倍数时补零行）；不编译的 matvec_blocks 与 F.linear 一致。"""
+    from qwen.weights import BLOCK, from_blocks, matvec_blocks, to_blocks
+
+    w = torch.randn(out, 24, generator=torch.Generator().manual_seed(out))
+    blocks = to_blocks(w)
+    assert blocks.shape == (-(-out // BLOCK), 24, BLOCK)
+    assert torch.equal(blocks[0, :, 1], w[1])  # 第 0 块第 1 列就是第 1 个输出的权重
+    assert torch.equal(from_blocks(blocks, out), w)
+    x = torch.randn(3, 24)
+    y = matvec_blocks(x, blocks)
+    assert y.shape == (3, blocks.shape[0] * BLOCK)
+    assert torch.allclose(y[:, :out], x @ w.T, atol=1e-5) and not y[:, out:].any()
+
+
+@pytest.fixture(scope="module")
+def compiled_model(tiny):
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
+    mlp = model.layers[0].mlp
+    assert mlp.gate_up.whole.blocks is not None and mlp.gate_up.whole.packed is None
+    assert mlp.down_proj.blocks is not None and mlp.down_proj.weight is None
+    assert model.lm_head.blocks is not None and model.embed_tokens.weight is None
+    return model
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 65])
+def test_compiled_logits_match_transformers(tiny, compiled_model, T):
+    """1～4 行走编译的 matvec，更多行拼回普通布局走 F.linear：都与参考实现一致。"""
+    ids = prompt(compiled_model.cfg.vocab_size, T, seed=T)
+    with torch.no_grad():
+        ref = tiny[1](ids).logits
+        ours = compiled_model(ids)
+    assert (ours - ref).abs().max().item() <= 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4])
+def test_compiled_incremental_equals_one_shot(tiny_model, compiled_model, step):
+    ids = prompt(512, 40, seed=step)
+    with torch.no_grad():
+        full = tiny_model(ids)
+        state = State(compiled_model)
+        parts = [compiled_model(ids[:, :30], state)]
+        parts += [compiled_model(ids[:, i : i + step], state) for i in range(30, 40, step)]
+    assert (torch.cat(parts, 1)[:, :40] - full).abs().max().item() <= 1e-3
+
+
+def test_compiled_bfloat16_matvec_matches_linear():
+    """bfloat16 的分块 matvec（编译的）与 F.linear 差在 bfloat16 舍入之内，1～4 行都是。"""
+    from qwen.weights import compile_matvec, to_blocks
+
+    kernel = compile_matvec()
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        ref = x.float() @ w.float().T
+        got = kernel(x, to_blocks(w)).float()
+        assert ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()

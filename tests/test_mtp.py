@@ -343,3 +343,13 @@ def test_auto_draft_count_is_exact(model, mtp, seed):
     assert r.tokens == seq[10:]
     assert len({k for k, _, _ in r.trace if k}) >= 2
     assert generate_mtp(model, mtp, ids, 12)[0] == seq[10:22]
+
+
+def test_compiled_speculative_equals_plain(lively):
+    """compile=True（分块布局、编译的 matvec）时，投机解码与普通贪心仍逐 token 相同。"""
+    model = Model.from_pretrained(lively[0], dtype=torch.float32, compile=True)
+    mtp = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, compile=True)
+    assert model.lm_head.blocks is not None and mtp.fc.blocks is not None
+    for T, k in ((5, 1), (63, 3), (70, None)):
+        ids = ids_of(T, seed=T)
+        assert generate_mtp(model, mtp, ids, 20, draft_tokens=k)[0] == generate(model, ids, 20)
