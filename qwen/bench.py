@@ -4,7 +4,8 @@
     python -m qwen.bench --model demo        # 或任何检查点文件夹
 
 同一次运行里、同样的权重、dtype 与线程数，依次测：
-1. 普通贪心解码的 token/s：qwen 与 transformers 的 Qwen3_5ForCausalLM（装了的话）；
+1. 普通贪心解码的 token/s：qwen（默认的打包布局，以及可选的 compile=True）与 transformers 的
+   Qwen3_5ForCausalLM（装了的话）；
 2. 512 个 token 的预填充速度，两者；
 3. 内存带宽的下限：解码一个 token 要读的权重字节数 ÷ 与那次解码同时实测的内存读带宽；
 4. 受控接受率的投机解码：草稿器知道贪心续写，每个草稿以概率 a 猜对（真的 MTP 照样运行，
@@ -158,15 +159,17 @@ def prompt_ids(cfg, n, seed=0):
 # ---------- 两个子进程：qwen 与 transformers ----------
 
 
-def run_qwen(path, dtype, tokens, prefill_len, spec: bool) -> dict:
-    model = Model.from_pretrained(path, dtype=dtype)
-    mtp = MTP.from_pretrained(model.cfg, path, dtype=dtype) if spec else None  # 先加载：像真实使用那样一开始就备好
+def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False) -> dict:
+    model = Model.from_pretrained(path, dtype=dtype, compile=compile)
+    mtp = MTP.from_pretrained(model.cfg, path, dtype=dtype, compile=compile) if spec else None  # 先加载：像真实使用那样一开始就备好
     cfg, out = model.cfg, {}
     out["bytes_per_token"] = bytes_per_token(model)
     prompt = prompt_ids(cfg, 32)
     long = prompt_ids(cfg, prefill_len, seed=1)
     with torch.inference_mode():
-        model(long[:, :8], State(model), last=True)  # 预热
+        model(long[:, :8], State(model), last=True)  # 预热（compile=True 时顺带把 1～4 行的 matvec 都编译好）
+        for rows in range(1, 5):
+            model(long[:, :rows], State(model))
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
 
     def decode():  # 只计解码：从第一个 token 产出之后开始计时
@@ -265,17 +268,20 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     if args.worker == "qwen":
-        out = run_qwen(args.model, dtype, args.tokens, args.prefill, spec=not args.no_spec)
+        out = run_qwen(args.model, dtype, args.tokens, args.prefill, spec=not args.no_spec, compile=args.compile)
     else:
         out = run_transformers(args.model, dtype, args.tokens, args.prefill)
     print("RESULT " + json.dumps(out))
 
 
-def child(args, which: str, dtype: str, spec: bool = True) -> dict | None:
+def child(args, which: str, dtype: str, spec: bool = True, compile: bool = False) -> dict | None:
     cmd = [sys.executable, "-m", "qwen.bench", "--worker", which, "--model", str(args.model), "--dtype", dtype,
            "--threads", str(args.threads), "--tokens", str(args.tokens), "--prefill", str(args.prefill)]
     if not spec:
         cmd.append("--no-spec")
+    if compile:
+        cmd.append("--compile")
+        which += " compile=True"
     print(f"  测 {which}（{dtype}）…", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -306,6 +312,9 @@ def ideal(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+VARIANTS = {"qwen": "", "qwen_compile": " compile=True"}  # 每种 dtype 测的 qwen：默认的打包布局；可选的分块布局加编译
+
+
 def report(res: dict) -> str:
     lines = [f"机器：{res['machine']}；线程 {res['threads']}；模型：{res['model']}；"
              f"qwen 与 transformers 轮流测 {res['rounds']} 轮，各取最快的一轮", ""]
@@ -314,32 +323,37 @@ def report(res: dict) -> str:
     lines.append("|---|---|---|---|---|---|---|---|---|")
     notes = []
     for dtype, r in res["runs"].items():
-        q, h = r["qwen"], r.get("transformers")
-        floor = q["bandwidth_gb_s"] * 1e9 / q["bytes_per_token"]  # 每秒最多能读几遍权重
-        pre_q = res["prefill_len"] / q["prefill_s"]
-        hf_dec = f"{h['decode_tok_s']:.1f}" if h else "—"
-        ratio = f"{q['decode_tok_s'] / h['decode_tok_s']:.2f}×" if h else "—"
-        pre_h = f"{res['prefill_len'] / h['prefill_s']:.0f}" if h else "—"
-        lines.append(f"| {dtype} | {q['decode_tok_s']:.1f} | {hf_dec} | {ratio} | {q['bandwidth_gb_s']:.1f} | {floor:.1f} | "
-                     f"{q['decode_tok_s'] / floor:.0%} | {pre_q:.0f} / {pre_h} | {q['peak_rss_gb']:.2f} |")
-        top = res["machine_bandwidth_gb_s"] * 1e9 / q["bytes_per_token"]
-        rounds = " / ".join(f"{x:.1f}" for x in q["decode_rounds"])
-        if h:
-            rounds += "；transformers " + " / ".join(f"{x:.1f}" for x in h["decode_rounds"])
-        notes.append(f"{dtype}：各轮解码 tok/s：qwen {rounds}；按整个运行里最高的带宽算，下限 {top:.1f} tok/s，"
-                     f"解码占 {q['decode_tok_s'] / top:.0%}")
+        h = r.get("transformers")
+        for key, label in VARIANTS.items():
+            q = r.get(key)
+            if q is None:
+                continue
+            floor = q["bandwidth_gb_s"] * 1e9 / q["bytes_per_token"]  # 每秒最多能读几遍权重
+            pre_q = res["prefill_len"] / q["prefill_s"]
+            hf_dec = f"{h['decode_tok_s']:.1f}" if h else "—"
+            ratio = f"{q['decode_tok_s'] / h['decode_tok_s']:.2f}×" if h else "—"
+            pre_h = f"{res['prefill_len'] / h['prefill_s']:.0f}" if h else "—"
+            lines.append(f"| {dtype}{label} | {q['decode_tok_s']:.1f} | {hf_dec} | {ratio} | {q['bandwidth_gb_s']:.1f} | "
+                         f"{floor:.1f} | {q['decode_tok_s'] / floor:.0%} | {pre_q:.0f} / {pre_h} | {q['peak_rss_gb']:.2f} |")
+            top = res["machine_bandwidth_gb_s"] * 1e9 / q["bytes_per_token"]
+            rounds = " / ".join(f"{x:.1f}" for x in q["decode_rounds"])
+            if h:
+                rounds += "；transformers " + " / ".join(f"{x:.1f}" for x in h["decode_rounds"])
+            notes.append(f"{dtype}{label}：各轮解码 tok/s：qwen {rounds}；按整个运行里最高的带宽算，下限 {top:.1f} tok/s，"
+                         f"解码占 {q['decode_tok_s'] / top:.0%}")
     lines += ["", f"整个运行里测到的最高读带宽 {res['machine_bandwidth_gb_s']:.1f} GB/s。"] + notes
     for dtype, r in res["runs"].items():
-        spec = r["qwen"].get("spec")
-        if not spec:
-            continue
-        lines += ["", f"投机解码（{dtype}，{res['tokens']} 个 token 含预填充，相对紧挨着测的普通贪心；草稿词表 "
-                  f"{r['qwen']['draft_vocab'] or '全部'}）", "| 接受率 a | k | 加速比 | 理想值 | 平均 k | 轮数 |",
-                  "|---|---|---|---|---|---|"]
-        for s in spec:
-            name = "课程做法 (k=1)" if s["course"] else str(s["k"])
-            best = ideal(s["a"], s["mean_k"] if s["k"] == "auto" else s["k"])
-            lines.append(f"| {s['a']} | {name} | {s['speedup']:.2f}× | {best:.2f}× | {s['mean_k']:.1f} | {s['rounds']} |")
+        for key, label in VARIANTS.items():
+            spec = (r.get(key) or {}).get("spec")
+            if not spec:
+                continue
+            lines += ["", f"投机解码（{dtype}{label}，{res['tokens']} 个 token 含预填充，相对紧挨着测的普通贪心；草稿词表 "
+                      f"{r[key]['draft_vocab'] or '全部'}）", "| 接受率 a | k | 加速比 | 理想值 | 平均 k | 轮数 |",
+                      "|---|---|---|---|---|---|"]
+            for s in spec:
+                name = "课程做法 (k=1)" if s["course"] else str(s["k"])
+                best = ideal(s["a"], s["mean_k"] if s["k"] == "auto" else s["k"])
+                lines.append(f"| {s['a']} | {name} | {s['speedup']:.2f}× | {best:.2f}× | {s['mean_k']:.1f} | {s['rounds']} |")
     return "\n".join(lines)
 
 
@@ -362,6 +376,10 @@ def plot(res: dict, file: Path) -> bool:
         ax.plot(grid, [ideal(a, k) for a in grid], ":", color=color, alpha=0.6)
     auto = [s for s in spec if s["k"] == "auto"]
     ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s-", color="k", label="auto k")
+    compiled = (res["runs"]["bfloat16"].get("qwen_compile") or {}).get("spec") or []
+    auto = [s for s in compiled if s["k"] == "auto"]
+    if auto:
+        ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s--", color="C4", label="auto k, compile=True")
     course = [s for s in spec if s["course"]]
     ax.plot([s["a"] for s in course], [s["speedup"] for s in course], "x--", color="C3", label="course (k=1)")
     ax.axhline(1.0, color="gray", lw=0.8)
@@ -394,11 +412,13 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=64, help="每次解码的新 token 数")
     p.add_argument("--prefill", type=int, default=512, help="预填充的提示词长度")
     p.add_argument("--no-transformers", action="store_true", help="不测 transformers")
+    p.add_argument("--no-compile", action="store_true", help="不测 compile=True 的 qwen（它要 C++ 编译器）")
     p.add_argument("--rounds", type=int, default=2, help="qwen 与 transformers 轮流测几轮（各取最快的一轮）")
     p.add_argument("--json", default="bench.json")
     p.add_argument("--png", default="bench.png")
     p.add_argument("--worker", choices=["qwen", "transformers"], help=argparse.SUPPRESS)
     p.add_argument("--no-spec", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -425,16 +445,24 @@ def main(argv=None):
     for dtype in dtypes:
         # qwen 与 transformers 轮流测 rounds 轮，各取最快的一轮：共享机器的快慢时段两边都有机会碰上。
         # 第一轮的 qwen 子进程还测投机解码与峰值内存
-        qs, hs = [], []
+        # compile=True 的 qwen 也在同一轮里测（--no-compile 不测）
+        qs, cs, hs = [], [], []
         for r in range(args.rounds):
-            q = child(args, "qwen", dtype, spec=r == 0 and (dtype == "bfloat16" or len(dtypes) == 1))
+            spec = r == 0 and (dtype == "bfloat16" or len(dtypes) == 1)
+            q = child(args, "qwen", dtype, spec=spec)
             qs += [q] if q is not None else []
+            c = child(args, "qwen", dtype, spec=spec, compile=True) if not args.no_compile and (r == 0 or cs) else None
+            cs += [c] if c is not None else []
             h = child(args, "transformers", dtype) if has_hf and (r == 0 or hs) else None
             hs += [h] if h is not None else []
         if not qs:
             continue
         q = merge_rounds(qs)
         run = {"qwen": q}
+        if cs:
+            c = run["qwen_compile"] = merge_rounds(cs)
+            run["compile_agreement"] = sum(a == b for a, b in zip(q["plain_tokens"], c["plain_tokens"])) / len(q["plain_tokens"])
+            del c["plain_tokens"]
         if hs:
             h = merge_rounds(hs)
             run["transformers"] = h
@@ -444,7 +472,8 @@ def main(argv=None):
         del q["plain_tokens"]
         res["runs"][dtype] = run
     bandwidths.append(read_bandwidth())
-    res["machine_bandwidth_gb_s"] = max(bandwidths + [r["qwen"]["bandwidth_gb_s"] for r in res["runs"].values()])
+    res["machine_bandwidth_gb_s"] = max(bandwidths + [r[k]["bandwidth_gb_s"] for r in res["runs"].values()
+                                                      for k in VARIANTS if k in r])
     if tmp is not None:
         tmp.cleanup()
     print(report(res))

@@ -38,12 +38,16 @@ def test_random_checkpoint_has_the_released_layout(tmp_path):
 
 def test_bytes_per_token_counts_every_matrix_once(tiny):
     """每个矩阵读一遍（lm_head 与嵌入共用，打包的副本按同样的字节算），嵌入表只查一行。"""
-    for dtype, packed in ((torch.bfloat16, True), (torch.float32, False)):
-        model = Model.from_pretrained(tiny[0], dtype=dtype, pack=packed)
-        assert (model.lm_head.packed is not None) == packed
+    for dtype, packed, compile in ((torch.bfloat16, True, False), (torch.float32, False, False),
+                                   (torch.bfloat16, True, True)):
+        model = Model.from_pretrained(tiny[0], dtype=dtype, pack=packed, compile=compile)
+        assert (model.lm_head.packed is not None) == (packed and not compile)
+        assert (model.lm_head.blocks is not None) == compile
         unique = sum(p.numel() * p.element_size() for p in model.parameters())  # 打包后释放的不在这里
         unique += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
                       if getattr(m, "packed", None) is not None)  # 打包时嵌入表留在文件里，输出头只有打包的一份
+        unique += sum(m.out_features * m.in_features * dtype.itemsize for m in model.modules()
+                      if getattr(m, "blocks", None) is not None)  # 分块布局补的零行不算
         row = model.cfg.hidden_size * dtype.itemsize
         assert bytes_per_token(model) == unique + row
 
@@ -75,11 +79,14 @@ def test_bench_runs_end_to_end(lively, tmp_path):
         assert run["qwen"]["decode_tok_s"] > 0 and run["transformers"]["decode_tok_s"] > 0
         assert run["qwen"]["peak_rss_gb"] > 0 and run["qwen"]["bandwidth_gb_s"] > 0
         assert len(run["qwen"]["decode_rounds"]) == len(run["transformers"]["decode_rounds"]) == 2
-    spec = res["runs"]["bfloat16"]["qwen"]["spec"]
-    assert len(spec) == 9 + 4 + 3
-    assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
+        assert len(run["qwen_compile"]["decode_rounds"]) == 2 and run["qwen_compile"]["decode_tok_s"] > 0
+    for key in ("qwen", "qwen_compile"):
+        spec = res["runs"]["bfloat16"][key]["spec"]
+        assert len(spec) == 9 + 4 + 3
+        assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
+    assert res["runs"]["float32"]["compile_agreement"] == 1.0
     assert res["runs"]["float32"]["greedy_agreement"] == 1.0  # float32 下与 transformers 的贪心逐 token 相同
-    assert "投机解码" in p.stdout and "| bfloat16 |" in p.stdout
+    assert "投机解码" in p.stdout and "| bfloat16 |" in p.stdout and "| bfloat16 compile=True |" in p.stdout
     assert report(res).splitlines()[0].startswith("机器：")
 
 
