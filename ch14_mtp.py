@@ -53,15 +53,17 @@ def main(argv=None):
     p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, help="起草时只给词表前这么多个 token 打分")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="矩阵换成分块布局、用 torch.compile 的 matvec（第 1 章；要 C++ 编译器）")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     try:
-        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype))
-        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.lm_head.dtype, draft_vocab=args.draft_vocab)
+        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile)
+        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.lm_head.dtype, draft_vocab=args.draft_vocab,
+                                  compile=args.compile)
         chat = Chat(model)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
 
     print(f"MTP 草稿头：{num_params(mtp) / 1e6:.2f}M 参数（与主模型共用嵌入；起草用输出头的前若干行）")

@@ -26,6 +26,7 @@ def parse_args(argv=None):
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
+    p.add_argument("--compile", action="store_true", help="解码更快的分块布局 + torch.compile（要 C++ 编译器，启动多几秒）")
     return p.parse_args(argv)
 
 
@@ -56,9 +57,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype))
+        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile)
         chat = Chat(model)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     try:

@@ -34,7 +34,7 @@ import torch
 
 from .cache import State
 from .model import Model
-from .mtp import MTP, speculate
+from .mtp import MAX_DRAFTS, MTP, speculate
 from .sample import generate, stream
 from .weights import Config, Linear, find_model, load_config, load_weights, save_checkpoint
 
@@ -167,8 +167,8 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
     prompt = prompt_ids(cfg, 32)
     long = prompt_ids(cfg, prefill_len, seed=1)
     with torch.inference_mode():
-        model(long[:, :8], State(model), last=True)  # 预热（compile=True 时顺带把 1～4 行的 matvec 都编译好）
-        for rows in range(1, 5):
+        model(long[:, :8], State(model), last=True)  # 预热（compile=True 时顺带把解码、验证要用的 1～5 行 matvec 都编译好）
+        for rows in range(1, MAX_DRAFTS + 2):
             model(long[:, :rows], State(model))
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
 

@@ -20,9 +20,10 @@ Linear.pack() 在加载时把这个重排只做一次，之后每次调用只读
 打包之后输出头已有一份打包的副本，与它共用的嵌入表就不必再放在内存里：RowReader 按行从文件里读。
 
 还有一种可选的布局（from_pretrained(..., compile=True)）：把 [out, in] 的权重按 32 个输出切成块，
-每块 [in, 32] 连续存放（Linear.block()），1 到 4 行输入由 torch.compile 生成的一个小循环算：
-逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。读内存的方式简单到底，实测比打包的 oneDNN 快约 1.1～1.6 倍
-（机器越空闲差得越多）；代价是第一次调用要编译几秒，多于 4 行（预填充）时要先拼回普通布局再交给 F.linear。
+每块 [in, 32] 连续存放（Linear.block()），1 到 8 行输入（解码、验证草稿）由 torch.compile 生成的一个小循环算：
+逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。读内存的方式简单到底，1 行时实测比打包的 oneDNN
+快 1.1～1.5 倍（机器越空闲差得越多）；代价是每种行数第一次用到时要编译几秒，更多行（预填充）时要先拼回普通布局
+再交给 F.linear，预填充慢约三成。
 """
 
 from __future__ import annotations
@@ -358,19 +359,24 @@ def check_state_dict(expected: dict[str, torch.Size], got: dict[str, torch.Tenso
 
 PAD_ROWS = 4  # 打包的 bfloat16 矩阵乘法：不足这么多行时补零行（见 Linear.forward）
 BLOCK = 32  # 分块布局（Linear.block）每块的输出个数
-BLOCK_ROWS = 4  # 分块布局：不超过这么多行输入时用编译的 matvec_blocks，更多行时拼回普通布局走 F.linear
+BLOCK_ROWS = 8  # 分块布局：不超过这么多行输入（解码 1 行，验证 k 个草稿 k + 1 行）时用编译的 matvec_blocks，
+# 更多行时（预填充）拼回普通布局走 F.linear
 
 
 def to_blocks(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] → [⌈out/32⌉, in, 32]：第 b 块是第 32b…32b+31 个输出的权重，按输入维连续存放。out 不是 32 的倍数时补零行。"""
     out, n_in = weight.shape
-    weight = F.pad(weight, (0, 0, 0, -out % BLOCK))  # 补到 32 的倍数
+    if out % BLOCK:
+        weight = F.pad(weight, (0, 0, 0, -out % BLOCK))  # 补到 32 的倍数（0.8B 的矩阵都不用补：少一份临时副本）
     return weight.view(-1, BLOCK, n_in).transpose(1, 2).contiguous()
 
 
 def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
-    """to_blocks 的逆：[⌈out/32⌉, in, 32] → 普通布局 [out, in]（复制一份）。"""
-    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])[:out]
+    """to_blocks 的逆：[⌈out/32⌉, in, 32] → [out, in] 的矩阵（复制一份）。
+
+    复制成转置的 [in, out]（每块的 32 个数原样搬过去，比逐个转置成 [out, in] 快两倍多），返回它的转置视图：
+    F.linear 收到的就是 [in, out] 按行存放的普通矩阵乘法。"""
+    return blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)[:, :out].t()
 
 
 def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -386,8 +392,8 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def compile_matvec():
-    """matvec_blocks 的编译版本。dynamic=True：各种形状的矩阵共用一份代码，只有行数 M（1～4）各编译一次；
-    -ffp-contract=fast 让编译器把乘、加合成一条 FMA 指令（M 大于 1 时快约三成）。"""
+    """matvec_blocks 的编译版本。dynamic=True：各种形状的矩阵共用一份代码，每种行数 M 各编译一次（几秒；
+    编译结果缓存在磁盘上，下次启动快得多）；-ffp-contract=fast 让编译器把乘、加合成一条 FMA 指令（4 行时快约三成）。"""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状也各算一次
     kernel = torch.compile(matvec_blocks, dynamic=True, options={"cpp.enable_floating_point_contract_flag": "fast"})
     try:  # 现在就编译一次（一行输入），缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时
