@@ -133,3 +133,15 @@ def test_find_model_offline_nothing_cached(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ERR")
     assert "Qwen/Qwen3.5-0.8B" in out.stdout and "QWEN_MODEL" in out.stdout
+
+
+def test_compile_without_a_working_compiler(tiny, monkeypatch):
+    """compile=True 而 torch.compile 生成不了代码（比如没有 C++ 编译器）：加载时就给出说明，而不是生成时从 torch 深处报错。"""
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise OSError("g++: command not found")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(RuntimeError, match="compile=True 需要.*g\\+\\+.*command not found"):
+        Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)

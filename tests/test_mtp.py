@@ -274,7 +274,8 @@ def test_speculative_sampling_distribution(which, k):
     assert 0.5 * (counts / N - joint).abs().sum() < 0.1  # 联合分布也接近
 
 
-def test_chapter_script_runs(lively):
+@pytest.mark.parametrize("extra", [[], ["--compile"]])
+def test_chapter_script_runs(lively, extra):
     import subprocess
     import sys
     from pathlib import Path
@@ -282,7 +283,7 @@ def test_chapter_script_runs(lively):
     script = Path(__file__).resolve().parent.parent / "ch14_mtp.py"
     out = subprocess.run(
         [sys.executable, str(script), "--model", str(lively[0]), "--max-new-tokens", "8", "--draft-tokens", "2",
-         "--dtype", "float32", "--prompt", "你好"],
+         "--dtype", "float32", "--prompt", "你好"] + extra,
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
