@@ -96,7 +96,7 @@ class Model(nn.Module):
         （第 1 章的 RowReader），所以模型活着的时候检查点文件要在。要训练或修改权重时用 pack=False。
 
         compile=True（可选，CPU 上、要有 C++ 编译器）换成第 1 章的分块布局：解码与验证（1～8 行）的矩阵乘法由
-        torch.compile 生成的循环来算，解码更快；每种行数第一次用到时要编译几秒，预填充慢约三成。结果只差舍入。
+        torch.compile 生成的循环来算，bfloat16 解码更快；每种行数第一次用到时要编译几秒，预填充慢一到两成。结果只差舍入。
         """
         path = find_model(path)
         cfg = load_config(path)

@@ -23,7 +23,7 @@ Linear.pack() 在加载时把这个重排只做一次，之后每次调用只读
 每块 [in, 32] 连续存放（Linear.block()），1 到 8 行输入（解码、验证草稿）由 torch.compile 生成的一个小循环算：
 逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。读内存的方式简单到底，1 行时实测比打包的 oneDNN
 快 1.1～1.5 倍（机器越空闲差得越多）；代价是每种行数第一次用到时要编译几秒，更多行（预填充）时要先拼回普通布局
-再交给 F.linear，预填充慢约三成。
+再交给 F.linear，bfloat16 的预填充慢一到两成。
 """
 
 from __future__ import annotations
@@ -397,7 +397,8 @@ def compile_matvec():
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状也各算一次
     kernel = torch.compile(matvec_blocks, dynamic=True, options={"cpp.enable_floating_point_contract_flag": "fast"})
     try:  # 现在就编译一次（一行输入），缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时
-        kernel(torch.ones(1, 8), torch.ones(2, 8, BLOCK))
+        with torch.no_grad():  # 推理时不求导：编译结果按求导开关分开缓存，这里编译的就是推理要用的那份
+            kernel(torch.ones(1, 8), torch.ones(2, 8, BLOCK))
     except Exception as e:
         raise RuntimeError(
             f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
