@@ -265,6 +265,7 @@ def compiled_model(tiny):
     assert mlp.gate_up.whole.blocks is not None and mlp.gate_up.whole.packed is None
     assert mlp.down_proj.blocks is not None and mlp.down_proj.weight is None
     assert model.lm_head.blocks is not None and model.embed_tokens.weight is None
+    assert all((layer.compiled is not None) == (layer.layer_type == "linear_attention") for layer in model.layers)
     return model
 
 
