@@ -161,7 +161,9 @@ class GatedDeltaNet(nn.Module):
         o, S, parts = rule(q, k, v, g, beta, S, keep_all=keep, in_place=state is not None)  # 旧 S 马上被替换：可以就地改
         if state is not None:
             state.S = S
-            state.conv = full[:, -(self.kernel - 1):]  # 新窗口：最后 3 个输入
+            # 新窗口：最后 3 个输入，复制成自己的一份标准连续存放的张量：不把整段 full 留在内存里，
+            # 步长也与这一步喂了几个 token 无关（compile=True 时编译的解码步按步长特化，见第 9 章）
+            state.conv = full[:, -(self.kernel - 1):].clone(memory_format=torch.contiguous_format)
             if keep:
                 state.history = (full, parts)  # 每个位置之后的窗口可从 full 切出，S 由 state_after 重建
 

@@ -114,7 +114,7 @@ class Model(nn.Module):
         del sd  # 此后只有模型引用这些张量：打包时每换掉一个矩阵，旧的那份立刻释放
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
-        kernel = compile_matvec() if compile and model.lm_head.weight.device.type == "cpu" else None
+        kernel = compile_matvec(dtype) if compile and model.lm_head.weight.device.type == "cpu" else None
         if kernel is not None or (pack and can_pack(model.lm_head.weight)):
             # 先打包最大的输出头，再把嵌入表留在文件里、查表时按行读（第 2 章）：
             model.lm_head.pack() if kernel is None else model.lm_head.block(kernel)

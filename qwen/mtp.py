@@ -121,7 +121,7 @@ class MTP(nn.Module):
         mtp.load_state_dict(sd, assign=True)
         del sd
         if compile and mtp.fc.weight.device.type == "cpu":
-            pack_linears(mtp, compile_matvec())
+            pack_linears(mtp, compile_matvec(dtype))
         elif pack:
             pack_linears(mtp)
         mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
@@ -178,7 +178,7 @@ def commit(state: State, start: int, keep: int) -> None:
         else:
             full, parts = s.history  # full [B, 3 + T, C]：窗口从这里切；parts 给 state_after
             width = full.shape[1] - parts[1].shape[-1]  # 核宽 − 1
-            s.conv = full[:, keep : keep + width]
+            s.conv = full[:, keep : keep + width].clone(memory_format=torch.contiguous_format)  # 同第 7 章：自己的一份
             s.S = state_after(parts, keep - 1)
             s.history = None
     state.pos = start + keep

@@ -394,14 +394,15 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}  # 生成的 C++ 里允许把乘、加合成 FMA
 
 
-def compile_matvec():
+def compile_matvec(dtype: torch.dtype = torch.float32):
     """matvec_blocks 的编译版本。dynamic=True：各种形状的矩阵共用一份代码，每种行数 M 各编译一次（几秒；
-    编译结果缓存在磁盘上，下次启动快得多）；-ffp-contract=fast 让编译器把乘、加合成一条 FMA 指令（4 行时快约三成）。"""
+    编译结果缓存在磁盘上，下次启动快得多）；-ffp-contract=fast 让编译器把乘、加合成一条 FMA 指令（4 行时快约三成）。
+    dtype 是权重的 dtype：加载时先按它编译一行输入的版本。"""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状也各算一次
     kernel = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)
     try:  # 现在就编译一次（一行输入），缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时
-        with torch.no_grad():  # 推理时不求导：编译结果按求导开关分开缓存，这里编译的就是推理要用的那份
-            kernel(torch.ones(1, 8), torch.ones(2, 8, BLOCK))
+        with torch.inference_mode():  # 编译结果按求导模式分开缓存：这里编译的就是生成时（inference_mode）要用的那份
+            kernel(torch.ones(1, 8, dtype=dtype), torch.ones(2, 8, BLOCK, dtype=dtype))
     except Exception as e:
         raise RuntimeError(
             f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："

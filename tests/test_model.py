@@ -295,7 +295,7 @@ def test_compiled_bfloat16_matvec_matches_linear():
     """bfloat16 的分块 matvec（编译的）与 F.linear 差在 bfloat16 舍入之内，1～4 行都是。"""
     from qwen.weights import compile_matvec, to_blocks
 
-    kernel = compile_matvec()
+    kernel = compile_matvec(torch.bfloat16)
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     for rows in (1, 2, 3, 4):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
