@@ -45,6 +45,7 @@ class DecoderLayer(nn.Module):
         return self.compute(x, cos, sin, state, valid)
 
     def compute(self, x, cos, sin, state=None, valid=None):
+        """本层的计算（forward 的参数与返回值）。"""
         dtype = self.mlp.down_proj.dtype  # 矩阵乘法用权重的 dtype（bfloat16 或 float32）
         h = self.input_layernorm(x).to(dtype)
         if self.layer_type == "linear_attention":
