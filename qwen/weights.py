@@ -23,7 +23,7 @@ Linear.pack() 在加载时把这个重排只做一次，之后每次调用只读
 每块 [in, 32] 连续存放（Linear.block()），1 到 8 行输入（解码、验证草稿）由 torch.compile 生成的一个小循环算：
 逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。读内存的方式简单到底，1 行时实测比打包的 oneDNN
 快 1.1～1.5 倍（机器越空闲差得越多）；代价是每种行数第一次用到时要编译几秒，更多行（预填充）时要先拼回普通布局
-再交给 F.linear，bfloat16 的预填充慢一到两成。
+再交给 F.linear，bfloat16 的预填充慢一到三成。
 """
 
 from __future__ import annotations
@@ -444,11 +444,10 @@ class Linear(nn.Linear):
         if self.blocks is not None:  # 分块布局（compile=True）
             x2 = x.reshape(-1, x.shape[-1])  # [M, in]
             if x2.shape[0] <= BLOCK_ROWS:
-                y = self.kernel(x2, self.blocks)[:, : self.out_features]
-            else:  # 预填充：拼回普通布局交给 F.linear（多一次复制，行数多时不显眼）
+                y = self.kernel(x2, self.blocks)[:, : self.out_features]  # [M, out]：去掉补的零行
+                y = y if self.bias is None else y + self.bias
+            else:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
                 y = F.linear(x2, from_blocks(self.blocks, self.out_features), self.bias)
-                return y.reshape(*x.shape[:-1], -1)
-            y = y if self.bias is None else y + self.bias
             return y.reshape(*x.shape[:-1], -1)
         if self.packed is not None:  # 打包的（CPU 上默认）：用 oneDNN 读打包好的权重
             rows = x.numel() // x.shape[-1]

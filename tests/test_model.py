@@ -43,25 +43,44 @@ def test_logits_match_transformers_tiny(tiny, tiny_model, T):
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("T", LENGTHS)
-def test_packed_logits_match_transformers(tiny, packed_model, T):
-    ids = prompt(packed_model.cfg.vocab_size, T, seed=T)
+@pytest.fixture(scope="module")
+def compiled_model(tiny):
+    """compile=True：分块布局、编译的 matvec（1～8 行），DeltaNet 层解码一个 token 时整层编译（第 1、9、10 章）。"""
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
+    mlp = model.layers[0].mlp
+    assert mlp.gate_up.whole.blocks is not None and mlp.gate_up.whole.packed is None
+    assert mlp.down_proj.blocks is not None and mlp.down_proj.weight is None
+    assert model.lm_head.blocks is not None and model.embed_tokens.weight is None
+    assert all((layer.compiled is not None) == (layer.layer_type == "linear_attention") for layer in model.layers)
+    return model
+
+
+FAST_LAYOUTS = ["packed_model", "compiled_model"]
+
+
+@pytest.mark.parametrize("which", FAST_LAYOUTS)
+@pytest.mark.parametrize("T", LENGTHS + [8, 9])  # 分块布局：8 行以内走编译的 matvec，9 行起拼回普通布局
+def test_fast_layout_logits_match_transformers(tiny, request, which, T):
+    model = request.getfixturevalue(which)
+    ids = prompt(model.cfg.vocab_size, T, seed=T)
     with torch.no_grad():
         ref = tiny[1](ids).logits
-        ours = packed_model(ids)
+        ours = model(ids)
     assert (ours - ref).abs().max().item() <= 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("which", FAST_LAYOUTS)
 @pytest.mark.parametrize("step", [1, 2, 3, 4])
-def test_packed_incremental_equals_one_shot(tiny_model, packed_model, step):
-    """打包的模型一次喂 1～4 个 token（解码、验证草稿），与普通布局一次性前向一致。"""
+def test_fast_layout_incremental_equals_one_shot(tiny_model, request, which, step):
+    """一次喂 1～4 个 token（解码、验证草稿），与普通布局一次性前向一致。"""
+    model = request.getfixturevalue(which)
     ids = prompt(512, 40, seed=step)
     with torch.no_grad():
         full = tiny_model(ids)
-        state = State(packed_model)
-        parts = [packed_model(ids[:, :30], state)]
-        parts += [packed_model(ids[:, i : i + step], state) for i in range(30, 40, step)]
+        state = State(model)
+        parts = [model(ids[:, :30], state)]
+        parts += [model(ids[:, i : i + step], state) for i in range(30, 40, step)]
     assert (torch.cat(parts, 1) - full).abs().max().item() <= 1e-3
 
 
@@ -258,46 +277,13 @@ def test_blocks_round_trip_and_eager_matvec(out):
     assert torch.allclose(y[:, :out], x @ w.T, atol=1e-5) and not y[:, out:].any()
 
 
-@pytest.fixture(scope="module")
-def compiled_model(tiny):
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
-    mlp = model.layers[0].mlp
-    assert mlp.gate_up.whole.blocks is not None and mlp.gate_up.whole.packed is None
-    assert mlp.down_proj.blocks is not None and mlp.down_proj.weight is None
-    assert model.lm_head.blocks is not None and model.embed_tokens.weight is None
-    assert all((layer.compiled is not None) == (layer.layer_type == "linear_attention") for layer in model.layers)
-    return model
-
-
-@pytest.mark.parametrize("T", [1, 2, 4, 5, 65])
-def test_compiled_logits_match_transformers(tiny, compiled_model, T):
-    """1～4 行走编译的 matvec，更多行拼回普通布局走 F.linear：都与参考实现一致。"""
-    ids = prompt(compiled_model.cfg.vocab_size, T, seed=T)
-    with torch.no_grad():
-        ref = tiny[1](ids).logits
-        ours = compiled_model(ids)
-    assert (ours - ref).abs().max().item() <= 1e-3
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-
-
-@pytest.mark.parametrize("step", [1, 2, 3, 4])
-def test_compiled_incremental_equals_one_shot(tiny_model, compiled_model, step):
-    ids = prompt(512, 40, seed=step)
-    with torch.no_grad():
-        full = tiny_model(ids)
-        state = State(compiled_model)
-        parts = [compiled_model(ids[:, :30], state)]
-        parts += [compiled_model(ids[:, i : i + step], state) for i in range(30, 40, step)]
-    assert (torch.cat(parts, 1)[:, :40] - full).abs().max().item() <= 1e-3
-
-
 def test_compiled_bfloat16_matvec_matches_linear():
-    """bfloat16 的分块 matvec（编译的）与 F.linear 差在 bfloat16 舍入之内，1～4 行都是。"""
+    """bfloat16 的分块 matvec（编译的）与 F.linear 差在 bfloat16 舍入之内，1～8 行都是。"""
     from qwen.weights import compile_matvec, to_blocks
 
     kernel = compile_matvec(torch.bfloat16)
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
-    for rows in (1, 2, 3, 4):
+    for rows in (1, 2, 3, 4, 8):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         ref = x.float() @ w.float().T
         got = kernel(x, to_blocks(w)).float()
