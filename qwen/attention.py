@@ -90,6 +90,15 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attend(q, k, v, state, valid)  # [B, T, H·D]
+        out = out * torch.sigmoid(gate.reshape(B, T, H * D))  # 输出门
+        return self.o_proj(out.to(x.dtype))  # [B, T, hidden]
+
+    @torch.compiler.disable  # compile=True 时编译的解码步在这里断开：缓存长度每步都变，这一段照常逐个运算
+    def attend(self, q, k, v, state: AttentionState | None, valid):
+        """q [B, H, T, D]，新的 k、v [B, Hkv, T, D]：接上缓存，做带掩码的注意力，返回 [B, T, H·D]。"""
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
         if state is not None:
             k, v = state.append(k, v)  # [B, Hkv, L, D]：L = 已缓存 + T
         L = k.shape[2]
@@ -97,14 +106,12 @@ class Attention(nn.Module):
         # 掩码：第 i 个新 token 的绝对位置是 L - T + i，只能看见位置 ≤ 它的键。
         mask = None
         if T > 1:
-            mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(L - T)  # [T, L]
+            mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)  # [T, L]
         if valid is not None:
             # 左填充的位置谁也不看；但填充位置自己总得看点什么，否则整行被遮住，softmax 得 NaN，
             # NaN 又会经过后面的层扩散。于是允许每个位置看它自己。
-            own = torch.arange(L, device=x.device) == (L - T + torch.arange(T, device=x.device))[:, None]  # [T, L]
+            own = torch.arange(L, device=q.device) == (L - T + torch.arange(T, device=q.device))[:, None]  # [T, L]
             keep = valid[:, None, None, :L] | own  # [B, 1, T, L]
             mask = keep if mask is None else mask & keep
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=H != Hkv)
-        out = out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]
-        out = out * torch.sigmoid(gate.reshape(B, T, H * D))  # 输出门
-        return self.o_proj(out.to(x.dtype))  # [B, T, hidden]
+        return out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H·D]

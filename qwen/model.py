@@ -96,7 +96,7 @@ class Model(nn.Module):
         （第 1 章的 RowReader），所以模型活着的时候检查点文件要在。要训练或修改权重时用 pack=False。
 
         compile=True（可选，CPU 上、要有 C++ 编译器）换成第 1 章的分块布局：解码与验证（1～8 行）的矩阵乘法由
-        torch.compile 生成的循环来算；解码一个 token 时每个 DeltaNet 层再整层编译（第 9 章的 DecoderLayer.compiled），
+        torch.compile 生成的循环来算；解码一个 token 时每层再整层编译（第 9 章的 DecoderLayer.compiled），
         几十个小运算并成几个循环。bfloat16 解码快约两成；第一次用到时要编译十来秒，预填充慢一到三成。结果只差舍入。
         """
         path = find_model(path)
@@ -121,9 +121,8 @@ class Model(nn.Module):
             model.embed_tokens.weight = None  # 普通布局的那 0.5 GB 这就释放，之后打包各层时内存峰值低一些
             model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
             pack_linears(model, kernel)
-        if kernel is not None:  # DeltaNet 层解码一个 token 时形状固定：整层（连同分块的 matvec）编译成一个函数
+        if kernel is not None:  # 解码一个 token（或验证一个草稿）时形状固定：每层（连同分块的 matvec）编译成一个函数
             for layer in model.layers:
-                if layer.layer_type == "linear_attention":
-                    layer.compiled = torch.compile(layer.compute, dynamic=False, options=COMPILE_OPTIONS)
+                layer.compiled = torch.compile(layer.compute, dynamic=False, options=COMPILE_OPTIONS)
         model.path = path
         return model.eval()
