@@ -74,7 +74,8 @@ def main(argv=None):
     if args.draft_tokens:
         how = f"固定 {args.draft_tokens} 个"
     else:
-        how = f"自动（按接受率挑 1～4 个；这台机器上每多起草一个 token 约多花一步的 {extra_cost(model):.0%}）"
+        how = (f"自动（按接受率挑 0～4 个；这台机器上每多起草一个 token 约多花一步的 {extra_cost(model):.0%}，"
+               "接受率低于它时不起草）")
     print(f"线程 {torch.get_num_threads()}，dtype {str(model.lm_head.dtype).removeprefix('torch.')}，"
           f"每轮起草：{how}\n")
 
@@ -92,8 +93,9 @@ def main(argv=None):
         print(f"  普通贪心：{len(plain)} 个 token，{a:.2f} 秒，{len(plain) / a:.1f} token/s")
         print(f"  投机解码：{len(r.tokens)} 个 token，{b:.2f} 秒，{len(r.tokens) / b:.1f} token/s")
         ks = [d for d, _, _ in r.trace if d]
+        idle = f"，{r.rounds - len(ks)} 轮没有起草" if r.rounds > len(ks) else ""
         print(f"  验证轮数 {r.rounds}，起草 {r.drafted}，接受 {r.hits}，接受率 {r.acceptance:.0%}，"
-              f"平均每轮起草 {sum(ks) / max(len(ks), 1):.1f} 个")
+              f"起草的轮平均每轮 {sum(ks) / max(len(ks), 1):.1f} 个{idle}")
         if len(ks) and max(ks) > 1:
             rates = ", ".join(f"{acc}/{tried}" for acc, tried in zip(r.accepted_at, r.tried_at))
             print(f"  各草稿位置（接受/验证）：{rates}")

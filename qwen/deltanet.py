@@ -83,16 +83,21 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_p
     return o, S, ((S0, g.cumsum(-1), k, torch.cat(writes, dim=2)) if keep_all else None)
 
 
-def state_after(parts, t: int) -> torch.Tensor:
+def state_after(parts, t: int, in_place: bool = False) -> torch.Tensor:
     """第 t 个位置（从 0 数）之后的记忆，由一次前向记下的 (S₀, G, K, U) 重建，形状 [B, H, Dk, Dv]。
 
     把递推展开：每一步先整体衰减，再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
         S_t = e^{G_t} S₀ + Σ_{j≤t} e^{G_t − G_j} k_j ⊗ u_j,     G_t = g₀ + … + g_t
     投机解码拒绝草稿时，只需按这个式子算出被接受的最后一个位置之后的那一份，不必重算前向。
+    in_place=True 时结果直接写进 S₀（调用者不再需要它）：不分配、不多读写一块 1 MB 的新内存。
     """
     S0, G, k, U = parts  # S₀ [B, H, Dk, Dv]；G [B, H, T]；k [B, H, T, Dk]；U [B, H, T, Dv]
+    B, H, Dk, Dv = S0.shape
     w = (G[:, :, t, None] - G[:, :, : t + 1]).exp()  # [B, H, t+1]：e^{G_t − G_j}
-    return G[:, :, t, None, None].exp() * S0 + (k[:, :, : t + 1] * w[..., None]).transpose(-1, -2) @ U[:, :, : t + 1]
+    kw = (k[:, :, : t + 1] * w[..., None]).transpose(-1, -2)  # [B, H, Dk, t+1]：e^{G_t − G_j} k_j
+    S = S0.mul_(G[:, :, t, None, None].exp()) if in_place else G[:, :, t, None, None].exp() * S0  # e^{G_t} S₀
+    S.view(B * H, Dk, Dv).baddbmm_(kw.reshape(B * H, Dk, t + 1), U[:, :, : t + 1].reshape(B * H, t + 1, Dv))  # + Σ k_j ⊗ u_j
+    return S
 
 
 class GatedDeltaNet(nn.Module):

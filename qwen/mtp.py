@@ -42,6 +42,7 @@ from .weights import (COMPILE_OPTIONS, Linear, RowReader, check_state_dict, comp
 # 草稿只是猜测，猜不到冷门 token 只是少接受一次，输出仍由主模型的验证决定，与贪心逐 token 相同。
 DRAFT_VOCAB = 32768
 MAX_DRAFTS = 4  # 自动挑选时每轮最多起草几个
+PROBE_EVERY = 8  # 自动挑选选了不起草（接受率太低）时，每隔这么多轮仍起草一个：看看接受率有没有回升
 
 
 class MTP(nn.Module):
@@ -181,7 +182,9 @@ def commit(state: State, start: int, keep: int) -> None:
             full, parts = s.history  # full [B, 3 + T, C]：窗口从这里切；parts 给 state_after
             width = full.shape[1] - parts[1].shape[-1]  # 核宽 − 1
             s.conv = full[:, keep : keep + width].clone(memory_format=torch.contiguous_format)  # 同第 7 章：自己的一份
-            s.S = state_after(parts, keep - 1)
+            if keep < parts[1].shape[-1]:  # 有被拒绝的：重建第 keep 个位置之后的 S（旧的 S₀ 不再需要，就地算）
+                s.S = state_after(parts, keep - 1, in_place=True)
+            # 全部接受时 s.S 已是前向算到最后的那份，不必重建
             s.history = None
     state.pos = start + keep
 
@@ -241,9 +244,9 @@ def extra_cost(model) -> float:
     打包的矩阵（第 1 章）或 GPU 上确实如此；CPU 上没打包时，每多一行几乎多一整步。
     """
     if model.lm_head.blocks is not None:
-        # compile=True：解码一个 token 时 DeltaNet 层整层编译过，验证几行仍走普通路径，相对地贵
-        # （实测验证 2～5 行的一步比 1 行多 19%～65%），每多起草一个约多一步的 25%
-        return 6.0 / model.cfg.num_hidden_layers
+        # compile=True：解码一步本身更快，验证的多余开销相对地大：实测起草一个（T = 2 的验证、提交、起草）
+        # 一轮约 1.33 步，起草 2、3 个约 1.5、1.8 步，每多起草一个约多一步的 30%
+        return 7.5 / model.cfg.num_hidden_layers
     flat = model.lm_head.packed is not None or model.norm.weight.is_cuda
     return 2.5 / model.cfg.num_hidden_layers if flat else 0.9
 
@@ -253,9 +256,10 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
 
     每个草稿以概率 a 被接受（前面的都接受了才轮到它），一轮期望产出 (1 − a^(k+1)) / (1 − a) 个 token，
     代价约 1 + cost·k 个普通解码步。a 用第一个草稿位置的接受次数估计，先验是“2 次里对 1 次”。
+    返回 0 表示这一轮不起草、就是普通的一步：a 低于 cost 时起草一个也不划算（(1 + a) / (1 + cost) < 1）。
     """
     a = min((accepted + 1) / (tried + 2), 0.99)
-    return max(range(1, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
+    return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
 
 
 @torch.inference_mode()
@@ -280,6 +284,7 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
     state, mtp_state = State(model), AttentionState()
     r.state = state
     cost = extra_cost(model)
+    idle = 0  # 连续几轮没有起草
 
     logits, hidden = forward_hidden(model, ids, state, last=True)  # 预填充
     r.forwards = 1
@@ -292,7 +297,10 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
 
     while last not in stop and len(r.tokens) < max_new_tokens:
         k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], cost)
+        if k == 0 and idle >= PROBE_EVERY:
+            k = 1  # 太久没起草：试一个，让接受率的估计跟上文本的变化
         k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
+        idle = idle + 1 if k == 0 else 0
         drafts, qs = [], []
         if k > 0:  # 1. 起草
             drafts, qs = mtp.draft(model, pend_tokens, pend_hidden, pend_start, k, mtp_state,
@@ -302,7 +310,7 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
         start = state.pos
         feed = torch.tensor([[last] + drafts], device=ids.device)
         snap = snapshot(state) if recompute else None
-        keep_history(state, not recompute)
+        keep_history(state, not recompute and k > 0)  # 不起草时这一步就是普通解码，不会回滚
         logits, hidden = forward_hidden(model, feed, state)  # [1, k+1, V]
         r.forwards += 1
         r.rounds += 1
@@ -322,7 +330,7 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
                 rollback(state, snap)
                 _, hidden = forward_hidden(model, feed[:, :m], state, last=True)
                 r.forwards += 1
-        else:
+        elif k > 0:
             commit(state, start, m)
         keep_history(state, False)
 
@@ -334,7 +342,11 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
         r.trace.append((k, min(n, m), emitted))
         r.tokens += emitted
         last = emitted[-1]
-        pend_hidden, pend_tokens, pend_start = hidden[:, :m], torch.tensor([emitted], device=ids.device), start
+        new_tokens = torch.tensor([emitted], device=ids.device)
+        if k > 0:  # 草稿头刚吃掉了之前待送的对，从这一轮的开始重新攒
+            pend_hidden, pend_tokens, pend_start = hidden[:, :m], new_tokens, start
+        else:  # 这一轮草稿头没有运行：新的一对接在待送的后面，下次起草时一并送进去
+            pend_hidden, pend_tokens = torch.cat([pend_hidden, hidden[:, :m]], 1), torch.cat([pend_tokens, new_tokens], 1)
     return r
 
 

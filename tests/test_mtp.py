@@ -328,7 +328,9 @@ def test_draft_vocab_subset(lively, model):
 def test_best_draft_count():
     from qwen.mtp import MAX_DRAFTS, best_draft_count
 
-    assert best_draft_count(0, 50, cost=0.08) == 1  # 几乎从不接受：只起草一个
+    assert best_draft_count(0, 50, cost=0.08) == 0  # 几乎从不接受：不起草，就是普通的一步
+    assert best_draft_count(15, 50, cost=0.08) == 1  # a ≈ 0.31：起草一个还划算
+    assert best_draft_count(15, 50, cost=0.35) == 0  # 同样的接受率，起草贵（compile=True）：不起草
     assert best_draft_count(95, 100, cost=0.08) == MAX_DRAFTS  # 几乎总接受、起草便宜：起草最多
     assert best_draft_count(95, 100, cost=0.9) == 1  # 每多起草一个就多花近一步：不值得多起草
     ks = [best_draft_count(a, 100, cost=0.1) for a in range(0, 101, 10)]
@@ -354,3 +356,30 @@ def test_compiled_speculative_equals_plain(lively):
     for T, k in ((5, 1), (63, 3), (70, None)):
         ids = ids_of(T, seed=T)
         assert generate_mtp(model, mtp, ids, 20, draft_tokens=k)[0] == generate(model, ids, 20)
+
+
+def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):
+    """草稿总是错的：自动挑选很快改成不起草，每隔 PROBE_EVERY 轮试一个；输出仍与普通贪心相同。
+    不起草的几轮里草稿头没有运行，它的 (h_t, e_{t+1}) 对攒着，下次起草时一并送进去：一对也不能漏。"""
+    from qwen.mtp import PROBE_EVERY
+
+    calls = []
+
+    class Recording(OracleDrafter):
+        def draft(self, model, tokens, hidden, start, k, state, *sampling):
+            assert tokens.shape[1] == hidden.shape[1]
+            calls.append((start, tokens.shape[1]))
+            return super().draft(model, tokens, hidden, start, k, state, *sampling)
+
+    ids = ids_of(12, seed=5)
+    n = 60
+    seq = ids[0].tolist() + generate(model, ids, n)
+    r = speculate(model, Recording(mtp, seq, 0.0), ids, n)
+    assert r.tokens == seq[12:]
+    ks = [k for k, _, _ in r.trace]
+    assert set(ks) == {0, 1} and r.hits == 0  # 接受率的估计低于 cost：多数轮不起草
+    assert r.drafted <= 3 + len(ks) // (PROBE_EVERY + 1)  # 只是偶尔试一个
+    assert 1 in ks[PROBE_EVERY + 1:]  # 但不会永远不起草
+    assert len(calls) >= 4 and calls[0][0] == 0
+    for (s0, n0), (s1, _) in zip(calls, calls[1:]):
+        assert s1 == s0 + n0  # 每个位置的对恰好送进草稿头一次
