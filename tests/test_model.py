@@ -143,6 +143,20 @@ def test_long_chunk_after_prefill_uses_chunked_form(tiny_model):
     assert (torch.cat([a, b, c], dim=1) - full).abs().max().item() <= 1e-4
 
 
+def test_long_prompt_is_fed_in_pieces(tiny_model):
+    """带状态时长于 PREFILL_PIECE 的输入分段喂进去（第 10 章）：logits 与无状态的一次性前向相同。"""
+    from qwen.model import PREFILL_PIECE
+
+    T = PREFILL_PIECE + 70
+    ids = prompt(512, T, seed=11)
+    with torch.no_grad():
+        full = tiny_model(ids)
+        state = State(tiny_model)
+        pieces = tiny_model(ids, state)
+    assert state.pos == T and state.layers[3].length == T  # 第 4 层是注意力层：KV 缓存有全部位置
+    assert (pieces - full).abs().max().item() <= 1e-4
+
+
 def test_last_only_logits(tiny_model):
     ids = prompt(512, 20)
     with torch.no_grad():
