@@ -8,8 +8,9 @@ DeltaNet 层在这里决定用哪种形式：解码一两个 token 用逐 token 
 更多时（预填充、投机解码验证几个 token）用分块并行：运算次数与长度无关。
 
 解码一个 token 时，一层是几十个只有几千个数的小运算，每个都有几微秒的固定开销。
-compile=True 时（第 10 章）一两个 token 的这条路径交给 torch.compile（compiled）：形状固定，整层并成几个 C++ 循环。
-注意力层的缓存与注意力本身（Attention.attend）不编译：缓存长度每步都变。
+compile=True 时（第 10 章）几种固定的长度（解码 1 个 token、验证 1 个草稿的 2 个、长提示词的一整段）交给
+torch.compile（compiled）：形状固定，整层的逐元素运算并成几个 C++ 循环。注意力层的缓存与注意力本身
+（Attention.attend）不编译：缓存长度每步都变。
 """
 
 from torch import nn
@@ -37,12 +38,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    compiled = None  # compile=True 时（第 10 章）：compute 的编译版本，用于解码一个 token、验证一个草稿
+    compiled = None  # compile=True 时（第 10 章）：compute 的编译版本
+    compiled_lengths = ()  # 哪些 token 数走编译版本，每种各编译一次（形状固定）
 
     def forward(self, x, cos, sin, state=None, valid=None):
         """x [B, T, hidden] float32；cos、sin 来自 rope_tables；state 是本层的缓存；valid [B, L] 标出真实 token。"""
-        if self.compiled is not None and x.shape[1] <= RECURRENT_MAX_T and state is not None and valid is None:
-            # T = 1、2 各编译一次（形状固定）。更多 token 时编译的逐 token 递推比分块的普通路径慢，不编译
+        if self.compiled is not None and x.shape[1] in self.compiled_lengths and state is not None and valid is None:
             return self.compiled(x, cos, sin, state)
         return self.compute(x, cos, sin, state, valid)
 

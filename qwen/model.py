@@ -123,8 +123,9 @@ class Model(nn.Module):
             model.embed_tokens.weight = None  # 普通布局的那 0.5 GB 这就释放，之后打包各层时内存峰值低一些
             model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
             pack_linears(model, kernel)
-        if kernel is not None:  # 解码一个 token（或验证一个草稿）时形状固定：每层（连同分块的 matvec）编译成一个函数
-            for layer in model.layers:
+        if kernel is not None:  # 每层（连同分块的 matvec）编译，用于这几种固定长度（第 9 章）：
+            for layer in model.layers:  # 解码一个 token、验证一个草稿、长提示词的一整段
                 layer.compiled = torch.compile(layer.compute, dynamic=False, options=COMPILE_OPTIONS)
+                layer.compiled_lengths = (1, 2, PREFILL_PIECE)
         model.path = path
         return model.eval()

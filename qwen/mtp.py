@@ -125,6 +125,7 @@ class MTP(nn.Module):
             pack_linears(mtp, compile_matvec(dtype))
             layer = mtp.layers[0]  # 起草一个 token 时形状固定：与主模型的层一样整层编译（第 9 章）
             layer.compiled = torch.compile(layer.compute, dynamic=False, options=COMPILE_OPTIONS)
+            layer.compiled_lengths = (1, 2)
         elif pack:
             pack_linears(mtp)
         mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
