@@ -53,7 +53,7 @@ def main(argv=None):
     p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, help="起草时只给词表前这么多个 token 打分")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="矩阵换成分块布局、用 torch.compile 的 matvec（第 1 章；要 C++ 编译器）")
+    p.add_argument("--compile", action="store_true", help="矩阵换成分块布局、各层用 torch.compile 编译（第 1、9 章；要 C++ 编译器）")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
