@@ -143,6 +143,20 @@ def test_long_chunk_after_prefill_uses_chunked_form(tiny_model):
     assert (torch.cat([a, b, c], dim=1) - full).abs().max().item() <= 1e-4
 
 
+def test_compiled_decode_does_not_recompile(compiled_model):
+    """compile=True：编译的层只按长度特化。KV 缓存扩容（第 256 个位置起）、卷积窗口、位置每步都变，都不引起重新编译
+    （注意力在 Attention.attend 处断开，第 6、9 章）；否则每次重新编译要几秒。"""
+    from torch._dynamo.utils import counters
+
+    from qwen.sample import generate
+
+    generate(compiled_model, prompt(512, 7, seed=1), 4)  # 预热：7 行的 matvec（预填充）与解码一个 token 的各层
+    before = counters["stats"]["unique_graphs"]
+    out = generate(compiled_model, prompt(512, 7, seed=2), 300)  # 越过 KV 缓存的第一次扩容
+    assert len(out) == 300
+    assert counters["stats"]["unique_graphs"] == before
+
+
 @pytest.mark.parametrize("which,tol", [("tiny_model", 1e-4), ("compiled_model", 1e-3)])
 def test_long_prompt_is_fed_in_pieces(tiny_model, request, which, tol):
     """带状态时长于 PREFILL_PIECE 的输入分段喂进去（第 10 章）：logits 与普通布局无状态的一次性前向相同。
