@@ -96,7 +96,8 @@ def state_after(parts, t: int, in_place: bool = False) -> torch.Tensor:
     w = (G[:, :, t, None] - G[:, :, : t + 1]).exp()  # [B, H, t+1]：e^{G_t − G_j}
     kw = (k[:, :, : t + 1] * w[..., None]).transpose(-1, -2)  # [B, H, Dk, t+1]：e^{G_t − G_j} k_j
     S = S0.mul_(G[:, :, t, None, None].exp()) if in_place else G[:, :, t, None, None].exp() * S0  # e^{G_t} S₀
-    S.view(B * H, Dk, Dv).baddbmm_(kw.reshape(B * H, Dk, t + 1), U[:, :, : t + 1].reshape(B * H, t + 1, Dv))  # + Σ k_j ⊗ u_j
+    U = U[:, :, : t + 1].reshape(B * H, t + 1, Dv)
+    S.view(B * H, Dk, Dv).baddbmm_(kw.reshape(B * H, Dk, t + 1), U)  # 加上 Σ_{j≤t} e^{G_t − G_j} k_j ⊗ u_j
     return S
 
 

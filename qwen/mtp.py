@@ -347,7 +347,8 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
         if k > 0:  # 草稿头刚吃掉了之前待送的对，从这一轮的开始重新攒
             pend_hidden, pend_tokens, pend_start = hidden[:, :m], new_tokens, start
         else:  # 这一轮草稿头没有运行：新的一对接在待送的后面，下次起草时一并送进去
-            pend_hidden, pend_tokens = torch.cat([pend_hidden, hidden[:, :m]], 1), torch.cat([pend_tokens, new_tokens], 1)
+            pend_hidden = torch.cat([pend_hidden, hidden[:, :m]], 1)
+            pend_tokens = torch.cat([pend_tokens, new_tokens], 1)
     return r
 
 
