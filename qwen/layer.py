@@ -13,6 +13,7 @@ torch.compile（compiled）：形状固定，整层的逐元素运算并成几�
 （Attention.attend）不编译：缓存长度每步都变。
 """
 
+import torch
 from torch import nn
 
 from .attention import Attention
@@ -20,6 +21,7 @@ from .chunk import chunk_gated_delta_rule
 from .deltanet import GatedDeltaNet, recurrent_gated_delta_rule
 from .mlp import MLP
 from .norm import RMSNorm
+from .weights import COMPILE_OPTIONS
 
 RECURRENT_MAX_T = 2  # 不超过这么多 token 时走递推：一两步的小运算比分块的固定开销便宜（实测 3 个时打平）
 
@@ -40,6 +42,11 @@ class DecoderLayer(nn.Module):
 
     compiled = None  # compile=True 时（第 10 章）：compute 的编译版本
     compiled_lengths = ()  # 哪些 token 数走编译版本，每种各编译一次（形状固定）
+
+    def compile_for(self, lengths) -> None:
+        """compile=True（第 10、14 章）：一次喂 lengths 里这几种 token 数时，改走 compute 的编译版本。"""
+        self.compiled = torch.compile(self.compute, dynamic=False, options=COMPILE_OPTIONS)
+        self.compiled_lengths = tuple(lengths)
 
     def forward(self, x, cos, sin, state=None, valid=None):
         """x [B, T, hidden] float32；cos、sin 来自 rope_tables；state 是本层的缓存；valid [B, L] 标出真实 token。"""

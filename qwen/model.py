@@ -20,7 +20,7 @@ from .embedding import Embedding
 from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
-from .weights import (COMPILE_OPTIONS, Config, Linear, RowReader, can_pack, check_state_dict, compile_matvec,
+from .weights import (Config, Linear, RowReader, can_pack, check_state_dict, compile_matvec,
                       find_model, load_config, load_weights, pack_linears, preferred_dtype, tensor_file)
 
 
@@ -126,7 +126,6 @@ class Model(nn.Module):
             pack_linears(model, kernel)
         if kernel is not None:  # 每层（连同分块的 matvec）编译，用于这几种固定长度（第 9 章）：
             for layer in model.layers:  # 解码一个 token、验证一个草稿、长提示词的一整段
-                layer.compiled = torch.compile(layer.compute, dynamic=False, options=COMPILE_OPTIONS)
-                layer.compiled_lengths = (1, 2, PREFILL_PIECE)
+                layer.compile_for((1, 2, PREFILL_PIECE))
         model.path = path
         return model.eval()

@@ -35,7 +35,7 @@ from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
-from .weights import (COMPILE_OPTIONS, Linear, RowReader, check_state_dict, compile_matvec, find_model, gemv,
+from .weights import (Linear, RowReader, check_state_dict, compile_matvec, find_model, gemv,
                       load_weights, pack_linears, preferred_dtype, tensor_file)
 
 # 起草只给词表前这么多个 token 打分。BPE 词表按合并顺序编号，靠前的 id 是训练语料里最常见的片段；
@@ -123,9 +123,7 @@ class MTP(nn.Module):
         del sd
         if compile and mtp.fc.weight.device.type == "cpu":
             pack_linears(mtp, compile_matvec(dtype))
-            layer = mtp.layers[0]  # 起草一个 token 时形状固定：与主模型的层一样整层编译（第 9 章）
-            layer.compiled = torch.compile(layer.compute, dynamic=False, options=COMPILE_OPTIONS)
-            layer.compiled_lengths = (1, 2)
+            mtp.layers[0].compile_for((1, 2))  # 起草一个 token（或送进一两对）时形状固定：与主模型的层一样整层编译
         elif pack:
             pack_linears(mtp)
         mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
