@@ -187,9 +187,11 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
     if spec:
         seq = prompt[0].tolist() + plain
         runs = []
-        # 预热：compile=True 时投机解码第一次用到的编译（验证时记录历史的那一版 DeltaNet 层）不算进下面的计时
-        for k in (1, None):
-            speculate(model, OracleDrafter(mtp, seq, 0.9), prompt, 16, draft_tokens=k)
+        # 预热：compile=True 时投机解码第一次用到的编译（验证 2～5 个 token、记录历史的那一版 DeltaNet 层，
+        # 草稿头送进 1～5 对）不算进下面的计时。草稿全对时每种 k 的验证与下一轮送进的对数都用到
+        for k in range(1, MAX_DRAFTS + 1):
+            speculate(model, OracleDrafter(mtp, seq, 1.0), prompt, 4 * (k + 1), draft_tokens=k)
+        speculate(model, OracleDrafter(mtp, seq, 0.9), prompt, 16)
 
         def run(a, k, recompute=False, full_vocab=False, seed=0):
             vocab = mtp.draft_vocab

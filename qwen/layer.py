@@ -8,7 +8,7 @@ DeltaNet 层在这里决定用哪种形式：解码一两个 token 用逐 token 
 更多时（预填充、投机解码验证几个 token）用分块并行：运算次数与长度无关。
 
 解码一个 token 时，一层是几十个只有几千个数的小运算，每个都有几微秒的固定开销。
-compile=True 时（第 10 章）几种固定的长度（解码 1 个 token、验证 1 个草稿的 2 个、长提示词的一整段）交给
+compile=True 时（第 10 章）几种固定的长度（解码 1 个 token、验证 1～4 个草稿的 2～5 个、长提示词的一整段）交给
 torch.compile（compiled）：形状固定，整层的逐元素运算并成几个 C++ 循环。注意力层的缓存与注意力本身
 （Attention.attend）不编译：缓存长度每步都变。
 """
@@ -24,6 +24,7 @@ from .norm import RMSNorm
 from .weights import COMPILE_OPTIONS
 
 RECURRENT_MAX_T = 2  # 不超过这么多 token 时走递推：一两步的小运算比分块的固定开销便宜（实测 3 个时打平）
+DECODE_LENGTHS = (1, 2, 3, 4, 5)  # compile=True 时整层编译的短长度：解码 1 个 token，验证 1～4 个草稿（第 14 章每轮最多起草 4 个）
 
 
 class DecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .embedding import Embedding
-from .layer import DecoderLayer
+from .layer import DECODE_LENGTHS, DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .weights import (Config, Linear, RowReader, can_pack, check_state_dict, compile_matvec,
@@ -125,7 +125,7 @@ class Model(nn.Module):
             model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
             pack_linears(model, kernel)
         if kernel is not None:  # 每层（连同分块的 matvec）编译，用于这几种固定长度（第 9 章）：
-            for layer in model.layers:  # 解码一个 token、验证一个草稿、长提示词的一整段
-                layer.compile_for((1, 2, PREFILL_PIECE))
+            for layer in model.layers:  # 解码一个 token、验证几个草稿、长提示词的一整段
+                layer.compile_for(DECODE_LENGTHS + (PREFILL_PIECE,))
         model.path = path
         return model.eval()

@@ -31,7 +31,7 @@ from torch import nn
 from .attention import AttentionState
 from .cache import State
 from .deltanet import state_after
-from .layer import DecoderLayer
+from .layer import DECODE_LENGTHS, DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
 from .sample import check_sampling, make_generator, probabilities
@@ -123,7 +123,7 @@ class MTP(nn.Module):
         del sd
         if compile and mtp.fc.weight.device.type == "cpu":
             pack_linears(mtp, compile_matvec(dtype))
-            mtp.layers[0].compile_for((1, 2))  # 起草一个 token（或送进一两对）时形状固定：与主模型的层一样整层编译
+            mtp.layers[0].compile_for(DECODE_LENGTHS)  # 起草一个 token、送进上一轮留下的几对：与主模型的层一样整层编译
         elif pack:
             pack_linears(mtp)
         mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
@@ -243,8 +243,8 @@ def extra_cost(model) -> float:
     打包的矩阵（第 1 章）或 GPU 上确实如此；CPU 上没打包时，每多一行几乎多一整步。
     """
     if model.lm_head.blocks is not None:
-        # compile=True：解码一步本身更快，验证的多余开销相对地大：实测起草一个（T = 2 的验证、提交、起草）
-        # 一轮约 1.33 步，起草 2、3 个约 1.5、1.8 步，每多起草一个约多一步的 30%
+        # compile=True：解码一步本身更快，起草、多验证的行、提交相对地贵：草稿全错（每轮都要重建记忆）时实测
+        # 起草 1、2、3、4 个的一轮约 1.3、1.6、1.7～1.9、1.9～2.1 步，每多起草一个约多一步的 25%～30%
         return 7.5 / model.cfg.num_hidden_layers
     flat = model.lm_head.packed is not None or model.norm.weight.is_cuda
     return 2.5 / model.cfg.num_hidden_layers if flat else 0.9

@@ -306,6 +306,8 @@ def test_blocks_round_trip_and_eager_matvec(out):
     y = matvec_blocks(x, blocks)
     assert y.shape == (3, blocks.shape[0] * BLOCK)
     assert torch.allclose(y[:, :out], x @ w.T, atol=1e-5) and not y[:, out:].any()
+    view = torch.randn(5, 30)[1:4, 6:]  # 不连续、有偏移的视图（像 h[:, -1:] 那样）：matvec 开头的 as_strided 不能弄丢偏移与步长
+    assert torch.allclose(matvec_blocks(view, blocks)[:, :out], view @ w.T, atol=1e-5)
 
 
 def test_compiled_bfloat16_matvec_matches_linear():
@@ -316,6 +318,7 @@ def test_compiled_bfloat16_matvec_matches_linear():
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     for rows in (1, 2, 3, 4, 8):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        ref = x.float() @ w.float().T
-        got = kernel(x, to_blocks(w)).float()
-        assert ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
+        for x in (x, torch.cat([x, x], 1)[:, 256:]):  # 连续的；有偏移、步长 512 的视图
+            ref = x.float() @ w.float().T
+            got = kernel(x, to_blocks(w)).float()
+            assert ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
