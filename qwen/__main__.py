@@ -26,7 +26,7 @@ def parse_args(argv=None):
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
-    p.add_argument("--compile", action="store_true", help="解码更快的分块布局 + torch.compile（要 C++ 编译器；第一次要编译约一分钟，之后每次启动多几秒）")
+    p.add_argument("--compile", action="store_true", help="解码更快的分块布局 + torch.compile（要 C++ 编译器；第一次要编译约半分钟，之后每次启动多几秒）")
     return p.parse_args(argv)
 
 

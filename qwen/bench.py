@@ -14,7 +14,7 @@
 5. 峰值常驻内存。
 每一项在单独的子进程里测，互不干扰；峰值内存因此只算那一项自己的。共享的机器忽快忽慢（实测内存带宽几分钟之内
 在 25 与 63 GB/s 之间跳），所以 qwen 与 transformers 轮流测几轮、各取最快的一轮，带宽紧挨着解码测，
-投机解码的加速比只与紧挨着测的普通贪心比。
+投机解码的加速比只与它前后紧挨着测的两次普通贪心（的平均）比。
 结果打印成表，写成 JSON，并画出加速比对接受率的图（需要 matplotlib）。
 """
 
@@ -193,28 +193,31 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
             speculate(model, OracleDrafter(mtp, seq, 1.0), prompt, 4 * (k + 1), draft_tokens=k)
         speculate(model, OracleDrafter(mtp, seq, 0.9), prompt, 16)
 
+        # 共享的机器上速度会成段地变（实测内存带宽几分钟之内在 30 与 55 GB/s 之间跳，同一组设置的普通贪心
+        # 前后两次能差三成），所以每次投机解码前后各测一次普通贪心，加速比只与这两次的平均比
+        before = timed(lambda: generate(model, prompt, tokens))[0]
+
         def run(a, k, recompute=False, full_vocab=False, seed=0):
+            nonlocal before
             vocab = mtp.draft_vocab
             if full_vocab:
                 mtp.draft_vocab = None
             t, r = timed(lambda: speculate(model, OracleDrafter(mtp, seq, a, seed), prompt, tokens, draft_tokens=k,
                                            recompute=recompute))
             mtp.draft_vocab = vocab
+            after = timed(lambda: generate(model, prompt, tokens))[0]
+            plain_t, before = (before + after) / 2, after
             same = next((i for i, (x, y) in enumerate(zip(r.tokens, plain)) if x != y), len(plain))
             ks = [d for d, _, _ in r.trace if d]
             runs.append(dict(a=a, k=k or "auto", course=recompute, seconds=t, plain_seconds=plain_t, speedup=plain_t / t,
                              acceptance=r.acceptance, rounds=r.rounds, mean_k=sum(ks) / max(len(ks), 1),
                              same_prefix=same))
 
-        # 共享的机器上速度会成段地变（实测内存带宽几分钟之内在 30 与 55 GB/s 之间跳），
-        # 所以每组投机解码之前重测一次普通贪心，加速比只与紧挨着的那次比
-        groups = [[(a, k) for k in DRAFTS] for a in ACCEPTANCE] + [[(a, None) for a in (0.3,) + ACCEPTANCE]]
-        for i, group in enumerate(groups):
-            if i:  # 第一组紧接着上面刚测的那次
-                plain_t = plain_now()[0]
-            for a, k in group:
+        for a in ACCEPTANCE:
+            for k in DRAFTS:
                 run(a, k)
-        plain_t = plain_now()[0]
+        for a in (0.3,) + ACCEPTANCE:
+            run(a, None)
         for a in ACCEPTANCE:
             run(a, 1, recompute=True, full_vocab=True)
         out["spec"] = runs
@@ -353,7 +356,7 @@ def report(res: dict) -> str:
             spec = (r.get(key) or {}).get("spec")
             if not spec:
                 continue
-            lines += ["", f"投机解码（{dtype}{label}，{res['tokens']} 个 token 含预填充，相对紧挨着测的普通贪心；草稿词表 "
+            lines += ["", f"投机解码（{dtype}{label}，{res['tokens']} 个 token 含预填充，相对前后紧挨着测的两次普通贪心；草稿词表 "
                       f"{r[key]['draft_vocab'] or '全部'}）", "| 接受率 a | k | 加速比 | 理想值 | 平均 k | 轮数 |",
                       "|---|---|---|---|---|---|"]
             for s in spec:

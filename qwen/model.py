@@ -98,9 +98,10 @@ class Model(nn.Module):
         （第 1 章的 RowReader），所以模型活着的时候检查点文件要在。要训练或修改权重时用 pack=False。
 
         compile=True（可选，CPU 上、要有 C++ 编译器）换成第 1 章的分块布局：解码与验证（1～8 行）的矩阵乘法由
-        torch.compile 生成的循环来算；解码一个 token、验证一个草稿、长提示词的一整段时每层再整层编译
-        （第 9 章的 DecoderLayer.compiled），几十个小运算并成几个循环。bfloat16 的普通解码快约五成，预填充差不多；
-        每种长度第一次用到时要编译（缓存为空时合计约一分钟，之后每个新进程约 7 秒）。结果只差舍入。
+        torch.compile 生成的循环来算；解码一个 token、验证 1～4 个草稿、长提示词的一整段时每层再整层编译
+        （第 9 章的 DecoderLayer.compiled），几十个小运算并成几个循环。bfloat16 的普通解码快六七成，预填充差不多；
+        每种长度第一次用到时要编译（缓存为空时加载、生成、长提示词、投机解码合计约两分钟，之后每个新进程约 12 秒）。
+        结果只差舍入。
         """
         path = find_model(path)
         cfg = load_config(path)

@@ -83,6 +83,7 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     for key in ("qwen", "qwen_compile"):
         spec = res["runs"]["bfloat16"][key]["spec"]
         assert len(spec) == 9 + 4 + 3
+        assert len({s["plain_seconds"] for s in spec}) == len(spec)  # 每次投机解码都与它自己前后的两次普通贪心比
         assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
     assert res["runs"]["float32"]["compile_agreement"] == 1.0
     assert res["runs"]["float32"]["greedy_agreement"] == 1.0  # float32 下与 transformers 的贪心逐 token 相同
