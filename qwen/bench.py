@@ -167,9 +167,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
     prompt = prompt_ids(cfg, 32)
     long = prompt_ids(cfg, prefill_len, seed=1)
     with torch.inference_mode():
-        model(long[:, :8], State(model), last=True)  # 预热（compile=True 时顺带把解码、验证要用的 1～5 行 matvec 都编译好）
-        for rows in range(1, MAX_DRAFTS + 2):
-            model(long[:, :rows], State(model))
+        generate(model, prompt, 4)  # 预热：compile=True 时编译解码一个 token 的各层（验证几个草稿的那些由下面投机解码的预热编译）
         model(long, State(model), last=True)  # compile=True 时编译整段（PREFILL_PIECE 个 token）的层
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
 

@@ -387,7 +387,7 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     不编译时它也是对的，只是每行都要物化一个与权重一样大的中间结果，很慢。
 
     第一行看似什么也没做：torch.compile 会把算出 x 的逐元素运算（比如层里的 RMSNorm：开方、除法）内联进
-    这个循环，于是权重的每一块都把它们重算一遍，两行输入时一层慢约两成。as_strided 要求输入是一块真实的内存，
+    这个循环，于是权重的每一块都把它们重算一遍（两行输入时一整步因此慢约 15%）。as_strided 要求输入是一块真实的内存，
     编译器只好先把 x 算好存下来（M × in 个数），循环里只剩读权重、乘加。
     """
     x = torch.as_strided(x, x.shape, x.stride())  # 不改变 x 的值，只是让 torch.compile 先把它物化（见上）
