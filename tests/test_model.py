@@ -317,8 +317,8 @@ def test_compiled_bfloat16_matvec_matches_linear():
     kernel = compile_matvec(torch.bfloat16)
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     for rows in (1, 2, 3, 4, 8):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        for x in (x, torch.cat([x, x], 1)[:, 256:]):  # 连续的；有偏移、步长 512 的视图
+        base = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        for x in (base, torch.cat([base, base], 1)[:, 256:]):  # 连续的；有偏移、步长 512 的视图
             ref = x.float() @ w.float().T
             got = kernel(x, to_blocks(w)).float()
             assert ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
