@@ -23,6 +23,7 @@ h_t（最后一次 norm 之后）和 token t+1 的嵌入，预测 token t+2：
 拒绝时从 normalize(max(0, p − q)) 里重新抽。这样输出的分布与只从 p 采样完全相同。
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -203,6 +204,7 @@ class SpecResult:
     tried_at: list = field(default_factory=list)  # tried_at[i]：第 i+1 个草稿位置被验证的次数（前面的都通过了）
     trace: list = field(default_factory=list)  # 每轮 (起草数, 接受数, 本轮输出的 token)
     forwards: int = 0  # 主模型前向次数（含预填充与重算）
+    prefill_seconds: float = 0.0  # 从调用到第一个 token 选出（预填充）的秒数：解码阶段的速度要扣掉它
     state: State | None = None  # 结束时提交的主模型状态：与普通解码喂完同样 token 后的状态相同
 
     @property
@@ -269,6 +271,7 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
     draft_tokens：每轮起草几个；None（默认）时按观察到的接受率自动挑（best_draft_count）。
     recompute=True 用课程里的简单回滚（快照 + 重算），用于对照。
     """
+    t0 = time.perf_counter()
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
         raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
@@ -289,6 +292,7 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
     r.forwards = 1
     last, _ = choose(logits[0, -1], temperature, top_k, top_p, gen)
     r.tokens.append(last)
+    r.prefill_seconds = time.perf_counter() - t0
     # 草稿头还没见过的 (h_t, e_{t+1}) 对：提示词的每个位置，下一轮开始时一并送进去
     pend_hidden = hidden  # [1, T, h]
     pend_tokens = torch.cat([ids[:, 1:], torch.tensor([[last]], device=ids.device)], dim=1)  # [1, T]

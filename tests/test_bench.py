@@ -69,7 +69,7 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     out = tmp_path / "b.json"
     p = subprocess.run(
         [sys.executable, "-m", "qwen.bench", "--model", str(lively[0]), "--tokens", "6", "--prefill", "16",
-         "--json", str(out), "--png", str(tmp_path / "b.png")],
+         "--seeds", "2", "--json", str(out), "--png", str(tmp_path / "b.png")],
         capture_output=True, text=True, timeout=600,
     )
     assert p.returncode == 0, p.stderr
@@ -85,6 +85,9 @@ def test_bench_runs_end_to_end(lively, tmp_path):
         assert len(spec) == 9 + 4 + 3
         assert len({s["plain_seconds"] for s in spec}) == len(spec)  # 每次投机解码都与它自己前后的两次普通贪心比
         assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
+        for s in spec:  # 每组设置测两次；加速比按解码阶段（扣掉预填充）的总秒数算
+            assert len(s["speedups"]) == 2 and s["speedup"] == s["plain_seconds"] / s["seconds"]
+            assert 0 < s["seconds"] < s["seconds_total"] and 0 < s["plain_seconds"] < s["plain_seconds_total"]
     assert res["runs"]["float32"]["compile_agreement"] == 1.0
     assert res["runs"]["float32"]["greedy_agreement"] == 1.0  # float32 下与 transformers 的贪心逐 token 相同
     assert "投机解码" in p.stdout and "| bfloat16 |" in p.stdout and "| bfloat16 compile=True |" in p.stdout

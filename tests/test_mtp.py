@@ -1,5 +1,7 @@
 """第 14 章：MTP 草稿头与投机解码。"""
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -207,6 +209,24 @@ def test_no_recomputation(model, mtp, monkeypatch):
     r2 = speculate(model, mtp, ids, 30, draft_tokens=2, recompute=True)  # 课程里的做法：每次拒绝多一次前向
     assert r2.tokens == r.tokens
     assert len(calls) == r2.forwards > r2.rounds + 1
+
+
+def test_prefill_seconds_counts_only_the_prefill(model, mtp, monkeypatch):
+    """SpecResult.prefill_seconds 只含预填充：预填充慢 0.3 秒、第一次验证也慢 0.3 秒时，它只多出前一个。"""
+    original, slept = Model.hidden, []
+
+    def slow(self, ids, state=None):
+        if ids.shape[-1] == 10 or (ids.shape[-1] == 3 and 3 not in slept):  # 预填充（10 个 token）与第一次验证（k = 2）
+            slept.append(ids.shape[-1])
+            time.sleep(0.3)
+        return original(self, ids, state)
+
+    monkeypatch.setattr(Model, "hidden", slow)
+    t0 = time.perf_counter()
+    r = speculate(model, mtp, ids_of(10, seed=3), 8, draft_tokens=2)
+    total = time.perf_counter() - t0
+    assert slept == [10, 3]
+    assert 0.3 <= r.prefill_seconds < 0.6 and total - r.prefill_seconds >= 0.3
 
 
 def test_bad_arguments(model, mtp, tmp_path):
