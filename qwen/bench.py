@@ -173,10 +173,17 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
         model(long, State(model), last=True)  # compile=True 时编译整段（PREFILL_PIECE 个 token）的层
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
 
-    def decode():  # 只计解码：从第一个 token 产出之后开始计时
-        it = stream(model, prompt, tokens + 1)
+    def plain_run(n):  # 普通贪心生成 n 个 token → (总秒数, 解码阶段的秒数：第一个 token 产出之后)
+        t0 = time.perf_counter()
+        it = stream(model, prompt, n)
         next(it)
-        return timed(lambda: list(it))[0]
+        t1 = time.perf_counter()
+        list(it)
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+    def decode():  # 解码 tokens 个 token 的秒数（不含预填充）
+        return plain_run(tokens + 1)[1]
 
     plain = generate(model, prompt, tokens)  # 普通贪心的输出：投机解码要与它逐个相同
     out["plain_tokens"] = plain
@@ -194,16 +201,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
         # 前后两次能差三成），所以每次投机解码前后各测一次普通贪心，加速比只与这两次的平均比。
         # 加速比按解码阶段算（第一个 token 选出之后，与上面的解码 tok/s 同一口径）：预填充两边是同一件事，
         # 预填充的速度单独报告；含预填充的加速比也记下（speedup_total）
-        def plain_run():  # → (总秒数, 解码阶段的秒数)
-            t0 = time.perf_counter()
-            it = stream(model, prompt, tokens)
-            next(it)
-            t1 = time.perf_counter()
-            list(it)
-            t2 = time.perf_counter()
-            return t2 - t0, t2 - t1
-
-        before = plain_run()
+        before = plain_run(tokens)
 
         def run(a, k, recompute=False, full_vocab=False):
             """一组设置测 seeds 次（草稿器的随机种子不同：64 个 token 里猜对几个本身就有起伏），每次前后紧挨着普通贪心；
@@ -217,7 +215,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
             for seed in range(seeds):
                 t, r = timed(lambda: speculate(model, OracleDrafter(mtp, seq, a, seed), prompt, tokens,
                                                draft_tokens=k, recompute=recompute))
-                after = plain_run()
+                after = plain_run(tokens)
                 plain_total, plain_t = [(x + y) / 2 for x, y in zip(before, after)]
                 before = after
                 rows.append((t, t - r.prefill_seconds, plain_total, plain_t))
