@@ -59,7 +59,7 @@ FAST_LAYOUTS = ["packed_model", "compiled_model"]
 
 
 @pytest.mark.parametrize("which", FAST_LAYOUTS)
-@pytest.mark.parametrize("T", LENGTHS + [8, 9])  # 分块布局：8 行以内走编译的 matvec，9 行起拼回普通布局
+@pytest.mark.parametrize("T", LENGTHS + [8, 9, 32, 33])  # 分块布局：8 行以内编译的 matvec 一次乘完，9～32 行每 8 行一段，33 行起拼回普通布局
 def test_fast_layout_logits_match_transformers(tiny, request, which, T):
     model = request.getfixturevalue(which)
     ids = prompt(model.cfg.vocab_size, T, seed=T)
