@@ -20,9 +20,10 @@ Linear.pack() 在加载时把这个重排只做一次，之后每次调用只读
 打包之后输出头已有一份打包的副本，与它共用的嵌入表就不必再放在内存里：RowReader 按行从文件里读。
 
 还有一种可选的布局（from_pretrained(..., compile=True)）：把 [out, in] 的权重按 32 个输出切成块，
-每块 [in, 32] 连续存放（Linear.block()），1 到 8 行输入（解码、验证草稿）由 torch.compile 生成的一个小循环算：
+每块 [in, 32] 连续存放（Linear.block()），1 到 8 行输入（解码、验证草稿）由 torch.compile 生成的一个小循环算
+（9 到 32 行时每 8 行一段）：
 逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。读内存的方式简单到底，1 行时实测比打包的 oneDNN
-快 1.1～1.5 倍（机器越空闲差得越多）；代价是每种行数第一次用到时要编译几秒，更多行（预填充）时要先拼回普通布局
+快 1.1～1.5 倍（机器越空闲差得越多）；代价是每种行数第一次用到时要编译几秒，更多行（长的预填充）时要先拼回普通布局
 再交给 F.linear（每次多一份复制，所以预填充按较长的段喂，见第 10 章的 PREFILL_PIECE）。
 """
 
@@ -456,7 +457,8 @@ class Linear(nn.Linear):
                 if M <= BLOCK_ROWS:
                     y = self.kernel(x2, self.blocks)  # [M, ⌈out/32⌉·32]
                 else:  # 每 8 行一段（复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译）
-                    y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks) for i in range(0, M, BLOCK_ROWS)])
+                    pieces = (x2[i : i + BLOCK_ROWS].clone() for i in range(0, M, BLOCK_ROWS))
+                    y = torch.cat([self.kernel(p, self.blocks) for p in pieces])
                 y = y[:, : self.out_features]  # [M, out]：去掉补的零行
                 y = y if self.bias is None else y + self.bias
             else:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
