@@ -170,7 +170,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
     long = prompt_ids(cfg, prefill_len, seed=1)
     with torch.inference_mode():
         generate(model, prompt, 4)  # 预热：compile=True 时编译解码一个 token 的各层（验证几个草稿的那些由下面投机解码的预热编译）
-        model(long, State(model), last=True)  # compile=True 时编译整段（PREFILL_PIECE 个 token）的层
+        model(long, State(model), last=True)  # compile=True 时编译整段（model.piece 个 token）的层
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
 
     def plain_run(n):  # 普通贪心生成 n 个 token → (总秒数, 解码阶段的秒数：第一个 token 产出之后)

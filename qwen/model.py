@@ -25,8 +25,10 @@ from .weights import (Config, Linear, RowReader, can_pack, check_state_dict, com
 
 
 # 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长。
-# 512 个 token 的提示词实测：段长 256 比 128 快 4%（compile=True 时快 14%：每段要把分块的矩阵拼回一次），512 又慢了一到两成
+# 512 个 token 的提示词实测（同一个模型上交替测）：段长 256 比 128 快 4%，比 512 快约 2%。
+# compile=True 时每段要把分块的矩阵拼回普通布局一次（第 1 章），段长 512 比 256 快约 9%（2.05 对 2.25 s）
 PREFILL_PIECE = 256
+COMPILED_PIECE = 512
 
 
 class Model(nn.Module):
@@ -37,6 +39,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.piece = PREFILL_PIECE  # 长输入分段喂的段长（compile=True 时是 COMPILED_PIECE）
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # 共用同一个参数
 
@@ -63,8 +66,8 @@ class Model(nn.Module):
         """最后一次 norm 之后的隐藏状态 [B, T, hidden]（MTP 草稿头要用它）。"""
         ids = self.check_ids(ids, state)
         B, T = ids.shape
-        if state is not None and T > PREFILL_PIECE:  # 分段预填充：与一次喂完完全等价（状态本来就是为增量设计的）
-            return torch.cat([self.hidden(ids[:, i : i + PREFILL_PIECE], state) for i in range(0, T, PREFILL_PIECE)], 1)
+        if state is not None and T > self.piece:  # 分段预填充：与一次喂完完全等价（状态本来就是为增量设计的）
+            return torch.cat([self.hidden(ids[:, i : i + self.piece], state) for i in range(0, T, self.piece)], 1)
         pos = state.pos if state is not None else 0
         positions = torch.arange(pos, pos + T, device=ids.device)  # [T]
         valid = None
@@ -126,7 +129,8 @@ class Model(nn.Module):
             model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
             pack_linears(model, kernel)
         if kernel is not None:  # 每层（连同分块的 matvec）编译，用于这几种固定长度（第 9 章）：
+            model.piece = COMPILED_PIECE
             for layer in model.layers:  # 解码一个 token、验证几个草稿、长提示词的一整段
-                layer.compile_for(DECODE_LENGTHS + (PREFILL_PIECE,))
+                layer.compile_for(DECODE_LENGTHS + (model.piece,))
         model.path = path
         return model.eval()

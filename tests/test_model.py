@@ -159,12 +159,13 @@ def test_compiled_decode_does_not_recompile(compiled_model):
 
 @pytest.mark.parametrize("which,tol", [("tiny_model", 1e-4), ("compiled_model", 1e-3)])
 def test_long_prompt_is_fed_in_pieces(tiny_model, request, which, tol):
-    """带状态时长于 PREFILL_PIECE 的输入分段喂进去（第 10 章）：logits 与普通布局无状态的一次性前向相同。
+    """带状态时长于一段（model.piece）的输入分段喂进去（第 10 章）：logits 与普通布局无状态的一次性前向相同。
     compile=True 时两整段走编译的层（第一段从空状态开始，第二段接着它的状态），剩下的 70 个 token 走普通路径。"""
-    from qwen.model import PREFILL_PIECE
+    from qwen.model import COMPILED_PIECE, PREFILL_PIECE
 
     model = request.getfixturevalue(which)
-    T = 2 * PREFILL_PIECE + 70
+    assert model.piece == (COMPILED_PIECE if which == "compiled_model" else PREFILL_PIECE)
+    T = 2 * model.piece + 70
     ids = prompt(512, T, seed=11)
     with torch.no_grad():
         full = tiny_model(ids)
