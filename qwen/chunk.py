@@ -54,9 +54,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_place
     Gamma = diff.exp()  # [B, H, N, C, C]：Γ_tj = e^{G_t − G_j}
     kb = k * beta[..., None]  # βK
     A = (kb @ k.transpose(-1, -2)) * Gamma  # A_tj = β_t e^{G_t−G_j} k_tᵀk_j；对角线与上三角下面不用
-    I_A = A.tril(-1) + torch.eye(chunk, dtype=A.dtype, device=A.device)  # I + A（单位下三角）
-    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)  # 两个右端一次解：[βV | βK ⊙ e^G]
-    U_, W = torch.linalg.solve_triangular(I_A, rhs, upper=False, unitriangular=True).split([v.shape[-1], Dk], -1)
+    eye = torch.eye(chunk, dtype=A.dtype, device=A.device)
+    I_A = A.tril(-1) + eye  # I + A（单位下三角）
+    # 先解出 (I + A)⁻¹（右端是单位阵，64 列），再乘两个右端 [βV | βK ⊙ e^G]（共 256 列）。直接对 256 列的右端
+    # 解三角方程也行，但 LAPACK 把这些 64×64 的小方程组一个一个地解，右端越宽越慢：512 个 token 时每层 7.8 → 3.5 ms
+    inv = torch.linalg.solve_triangular(I_A, eye.expand_as(I_A), upper=False, unitriangular=True)  # [B, H, N, C, C]
+    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)  # [B, H, N, C, Dv + Dk]
+    U_, W = (inv @ rhs).split([v.shape[-1], Dk], -1)
     QK = (q @ k.transpose(-1, -2)) * Gamma  # [B, H, N, C, C]：块内注意力（含衰减）
     q_decayed = q * G.exp()[..., None]  # Q ⊙ e^G：读块开始时的记忆
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # K ⊙ e^{G_C − G}：写到块末
