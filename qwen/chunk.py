@@ -10,7 +10,7 @@
 
     (I + A) U = βV − (βK ⊙ e^G) S₀,     A_tj = β_t e^{G_t−G_j} k_tᵀk_j  (j < t)
 
-解一次三角方程得到 U' = (I+A)⁻¹βV 与 W = (I+A)⁻¹(βK ⊙ e^G)，于是 U = U' − W S₀。然后
+解一次三角方程得到 (I+A)⁻¹，乘出 U' = (I+A)⁻¹βV 与 W = (I+A)⁻¹(βK ⊙ e^G)，于是 U = U' − W S₀。然后
 
     输出  O   = (Q ⊙ e^G) S₀ + ((QKᵀ) ⊙ Γ) U          Γ_tj = e^{G_t−G_j}（j ≤ t，否则 0）
     新记忆 S_C = e^{G_C} S₀ + (K ⊙ e^{G_C−G})ᵀ U
