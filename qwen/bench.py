@@ -14,8 +14,8 @@
 5. 峰值常驻内存。
 每一项在单独的子进程里测，互不干扰；峰值内存因此只算那一项自己的。共享的机器忽快忽慢（实测内存带宽几分钟之内
 在 25 与 63 GB/s 之间跳），所以 qwen 与 transformers 轮流测几轮、各取最快的一轮，带宽紧挨着解码测，
-投机解码的加速比只与它前后紧挨着测的两次普通贪心（的平均）比；每组设置用草稿器的几个随机种子各测一次（--seeds），
-加速比按解码阶段（第一个 token 之后）算，与解码 tok/s 同一口径。
+投机解码的加速比只与它前后紧挨着测的两次普通贪心（的平均）比；每组设置用草稿器的几个随机种子各测一次（--seeds，
+自动挑 k 测两倍），加速比按解码阶段（第一个 token 之后）算，与解码 tok/s 同一口径。
 结果打印成表，写成 JSON，并画出加速比对接受率的图（需要 matplotlib）。
 """
 
@@ -446,7 +446,7 @@ def main(argv=None):
     p.add_argument("--prefill", type=int, default=512, help="预填充的提示词长度")
     p.add_argument("--no-transformers", action="store_true", help="不测 transformers")
     p.add_argument("--no-compile", action="store_true", help="不测 compile=True 的 qwen（它要 C++ 编译器）")
-    p.add_argument("--seeds", type=int, default=3, help="投机解码的每组设置测几次（草稿器的随机种子不同），加起来算加速比")
+    p.add_argument("--seeds", type=int, default=3, help="投机解码的每组设置测几次（草稿器的随机种子不同；自动挑 k 测两倍），加起来算加速比")
     p.add_argument("--rounds", type=int, default=2, help="qwen 与 transformers 轮流测几轮（各取最快的一轮）")
     p.add_argument("--json", default="bench.json")
     p.add_argument("--png", default="bench.png")
