@@ -87,6 +87,8 @@ def test_bench_runs_end_to_end(lively, tmp_path):
         assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
         for s in spec:  # 每组设置测两次（自动挑 k 测四次）；加速比按解码阶段（扣掉预填充）的总秒数算
             assert len(s["speedups"]) == (4 if s["k"] == "auto" else 2) and s["speedup"] == s["plain_seconds"] / s["seconds"]
+            if s["k"] == 1:  # 每轮只起草一个：第一个草稿位置的接受率就是总的接受率
+                assert s["first_acceptance"] == s["acceptance"]
             assert 0 <= s["first_acceptance"] <= 1
             assert 0 < s["seconds"] < s["seconds_total"] and 0 < s["plain_seconds"] < s["plain_seconds_total"]
     assert res["runs"]["float32"]["compile_agreement"] == 1.0
