@@ -53,8 +53,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_place: bool = False):
     """逐 token 递推。q、k [B, H, T, Dk]，v [B, H, T, Dv]，g、beta [B, H, T]，S [B, H, Dk, Dv]。
-    返回 (输出 [B, H, T, Dv], 最终 S, keep_all 时 state_after 要的 (S₀, G, K, U)，否则 None)。全部 float32。
-    in_place=True 表示调用者不再需要传入的 S，推理时（不求导）可以就地覆盖；keep_all 时不行：S₀ 要留给 state_after。
+    返回 (输出 [B, H, T, Dv], 最终 S, keep_all 时每个位置之后的 S 的列表（给 state_after），否则 None)。全部 float32。
+    in_place=True 表示调用者不再需要传入的 S，推理时（不求导）可以就地覆盖。keep_all 时只有第一步就地：
+    投机解码回滚时至少留下第一个 token（last），S₀ 用不着；之后每步新建一份，前一个位置之后的 S 才留得住。
+    验证几个草稿时逐步的 S 本来就要算出来，留下它们（每层每个位置多写 1 MB）比拒绝时再重建便宜。
 
     S 是每层 1 MB 的 float32 矩阵，解码一步的时间有不少花在读写它上面，所以把上面三行公式重排成只读一遍旧 S：
         [Sᵀk, Sᵀq] = 旧 S 一次乘两个向量
@@ -63,8 +65,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_p
         S ← e^g S + k ⊗ δ
     """
     T = q.shape[2]
-    S0, outs, writes = S, [], []
-    own = in_place and not keep_all  # 可以直接改传入的 S
+    outs, states = [], []
     grad = torch.is_grad_enabled()  # 训练时不能就地改：反向传播要用每一步的旧 S
     decay = g.exp()[..., None]  # [B, H, T, 1]：e^g
     kq = torch.stack([k, q], dim=3)  # [B, H, T, 2, Dk]
@@ -74,23 +75,26 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_p
         pred, read = (kq[:, :, t] @ S).split(1, dim=2)  # Sᵀk、Sᵀq，各 [B, H, 1, Dv]
         delta = (v[:, :, t : t + 1] - d * pred) * beta[:, :, t : t + 1, None]  # δ = β(v − e^g Sᵀk)
         outs.append(d * read + qk[:, :, t : t + 1] * delta)  # o = e^g Sᵀq + (qᵀk) δ
-        if (t > 0 or own) and not grad:  # S 是自己的：就地更新。少分配、少写一块 1 MB 的新内存，解码一步快约 2%
+        if (in_place if t == 0 else not keep_all) and not grad:  # S 是自己的：就地更新。少分配、少写一块 1 MB 的新内存，解码一步快约 2%
             S.mul_(d).addcmul_(k[:, :, t, :, None], delta)
-        else:  # 调用者还要它的 S，或者要求导（求导要留着旧 S）：新建一份
-            S = torch.addcmul(S * d, k[:, :, t, :, None], delta)  # S ← e^g S + k ⊗ δ（[Dk, 1] 乘 [1, Dv] 广播成外积）
-        writes.append(delta)
+        else:  # 调用者还要旧 S、要留下上一个位置之后的 S，或者要求导（求导要留着旧 S）：新建一份
+            S = (S * d).addcmul_(k[:, :, t, :, None], delta)  # S ← e^g S + k ⊗ δ（[Dk, 1] 乘 [1, Dv] 广播成外积）
+        states.append(S)
     o = outs[0] if T == 1 else torch.cat(outs, dim=2)  # [B, H, T, Dv]
-    return o, S, ((S0, g.cumsum(-1), k, torch.cat(writes, dim=2)) if keep_all else None)
+    return o, S, (states if keep_all else None)
 
 
 def state_after(parts, t: int, in_place: bool = False) -> torch.Tensor:
-    """第 t 个位置（从 0 数）之后的记忆，由一次前向记下的 (S₀, G, K, U) 重建，形状 [B, H, Dk, Dv]。
+    """第 t 个位置（从 0 数）之后的记忆，形状 [B, H, Dk, Dv]。逐 token 递推记下的是每个位置之后的 S，直接取；
+    分块形式（第 8 章）只算出块末的 S，记下的是 (S₀, G, K, U)，由它重建：
 
     把递推展开：每一步先整体衰减，再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
         S_t = e^{G_t} S₀ + Σ_{j≤t} e^{G_t − G_j} k_j ⊗ u_j,     G_t = g₀ + … + g_t
     投机解码拒绝草稿时，只需按这个式子算出被接受的最后一个位置之后的那一份，不必重算前向。
     in_place=True 时结果直接写进 S₀（调用者不再需要它）：不分配、不多读写一块 1 MB 的新内存。
     """
+    if isinstance(parts, list):  # 逐 token 递推记下的就是每个位置之后的 S：直接取，不用重建
+        return parts[t] if in_place else parts[t].clone()
     S0, G, k, U = parts  # S₀ [B, H, Dk, Dv]；G [B, H, T]；k [B, H, T, Dk]；U [B, H, T, Dv]
     B, H, Dk, Dv = S0.shape
     w = (G[:, :, t, None] - G[:, :, : t + 1]).exp()  # [B, H, t+1]：e^{G_t − G_j}

@@ -15,9 +15,9 @@ h_t（最后一次 norm 之后）和 token t+1 的嵌入，预测 token t+2：
 回滚是难点。被拒绝的草稿已经改过每个 DeltaNet 层的记忆 S 和卷积窗口，而它们无法“减掉”一个 token：
 - 简单的做法（snapshot / rollback）：验证前把 DeltaNet 状态拷一份，有拒绝时恢复，再把收下的
   token 重新喂一遍。每次拒绝多花一次前向。
-- 我们用的做法（思路与 vLLM、SGLang 相同）：验证的那次前向顺手记下 (S₀, G, K, U)（几个小张量），
-  提交时用第 7 章的 state_after 只算出最后一个被接受的位置之后的那份 S；卷积窗口从完整输入里切出，
-  注意力的 KV 缓存只需截断。拒绝不再有额外的前向。
+- 我们用的做法（思路与 vLLM、SGLang 相同）：验证的那次前向顺手记下重建记忆要的量（逐 token 递推时就是
+  每个位置之后的 S；分块形式是 (S₀, G, K, U) 几个小张量），提交时用第 7 章的 state_after 取出或算出
+  最后一个被接受的位置之后的那份 S；卷积窗口从完整输入里切出，注意力的 KV 缓存只需截断。拒绝不再有额外的前向。
 
 采样时用拒绝采样（Leviathan 等 2023）：草稿 x ~ q 以 min(1, p(x)/q(x)) 的概率接受，
 拒绝时从 normalize(max(0, p − q)) 里重新抽。这样输出的分布与只从 p 采样完全相同。
@@ -162,7 +162,7 @@ def rollback(state: State, snap) -> None:
 
 
 def keep_history(state: State, on: bool) -> None:
-    """让 DeltaNet 层在下一次前向里记下回滚所需的量（完整卷积输入与 state_after 要的 (S₀, G, K, U)）。"""
+    """让 DeltaNet 层在下一次前向里记下回滚所需的量（完整卷积输入与 state_after 要的量）。"""
     for s in state.layers:
         if not isinstance(s, AttentionState):
             s.keep_history = on
@@ -180,9 +180,9 @@ def commit(state: State, start: int, keep: int) -> None:
             s.truncate(start + keep)
         else:
             full, parts = s.history  # full [B, 3 + T, C]：窗口从这里切；parts 给 state_after
-            width = full.shape[1] - parts[1].shape[-1]  # 核宽 − 1
+            width = s.conv.shape[1]  # 核宽 − 1
             s.conv = full[:, keep : keep + width].clone(memory_format=torch.contiguous_format)  # 同第 7 章：自己的一份
-            if keep < parts[1].shape[-1]:  # 有被拒绝的：重建第 keep 个位置之后的 S（旧的 S₀ 不再需要，就地算）
+            if keep < full.shape[1] - width:  # 有被拒绝的：取出或重建第 keep 个位置之后的 S（旧的 S₀ 不再需要，就地算）
                 s.S = state_after(parts, keep - 1, in_place=True)
             # 全部接受时 s.S 已是前向算到最后的那份，不必重建
             s.history = None

@@ -31,7 +31,8 @@ def test_chunked_equals_recurrent(T):
 @pytest.mark.parametrize("rule", [recurrent_gated_delta_rule, chunk_gated_delta_rule])
 @pytest.mark.parametrize("T", [1, 2, 5, 9, 64])
 def test_state_after_every_position(rule, T):
-    """两种形式记下的 (S₀, G, K, U) 都能重建每个位置之后的记忆：与只喂前 t 个 token 的最终状态相同。"""
+    """两种形式记下的量（递推：每个位置之后的 S；分块：(S₀, G, K, U)）都能给出每个位置之后的记忆：
+    与只喂前 t 个 token 的最终状态相同。"""
     q, k, v, g, beta, S0 = inputs(T, seed=T)
     o, S, parts = rule(q, k, v, g, beta, S0, keep_all=True)
     for t in range(1, T + 1):
@@ -57,7 +58,8 @@ def test_chunked_is_differentiable():
 @pytest.mark.parametrize("T", [1, 2, 3])
 @pytest.mark.parametrize("keep_all", [False, True])
 def test_recurrent_in_place(T, keep_all):
-    """in_place=False 时调用者的 S 不被改动；in_place=True 时就地更新，结果与不就地时相同（keep_all 时照样不改 S₀）。"""
+    """in_place=False 时调用者的 S 不被改动；in_place=True 时就地更新，结果与不就地时相同。
+    keep_all 时每个位置之后的 S 各是一份：只有第一步写进传入的 S（投机解码至少留下第一个 token，S₀ 用不着）。"""
     q, k, v, g, beta, S0 = inputs(T, seed=T)
     before = S0.clone()
     with torch.inference_mode():
@@ -66,7 +68,9 @@ def test_recurrent_in_place(T, keep_all):
         o2, S2, p2 = recurrent_gated_delta_rule(q, k, v, g, beta, S0, keep_all=keep_all, in_place=True)
     assert torch.equal(o1, o2) and torch.equal(S1, S2)
     if keep_all:
-        assert torch.equal(S0, before) and torch.equal(p2[0], before)  # state_after 要的 S₀ 还是原来的
+        assert len(p2) == T and all(torch.equal(a, b) for a, b in zip(p1, p2))
+        assert len({s.data_ptr() for s in p2}) == T  # 后面的位置没有覆盖前面的
+        assert p2[0].data_ptr() == S0.data_ptr()  # 第一步就地
     else:
         assert S2.data_ptr() == S0.data_ptr()  # 真的就地：返回的就是传入的那块内存
 
