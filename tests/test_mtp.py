@@ -376,6 +376,15 @@ def test_compiled_speculative_equals_plain(lively):
     for T, k in ((5, 1), (63, 3), (70, None)):
         ids = ids_of(T, seed=T)
         assert generate_mtp(model, mtp, ids, 20, draft_tokens=k)[0] == generate(model, ids, 20)
+    # 起草只打前 100 个 token 的分（不是 32 的整块数）：直接乘输出头分块布局的前 4 块，不另存一份
+    mtp.draft_vocab = 100
+    assert mtp.draft_rows is None
+    with torch.inference_mode():
+        x = torch.randn(1, 1, model.cfg.hidden_size)
+        plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
+        assert torch.allclose(mtp.draft_logits(model, x), plain.lm_head(x)[..., :100], atol=1e-5)
+    ids = ids_of(12, seed=3)
+    assert generate_mtp(model, mtp, ids, 20, draft_tokens=2)[0] == generate(model, ids, 20)
 
 
 def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):
