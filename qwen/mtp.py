@@ -252,9 +252,10 @@ def extra_cost(model) -> float:
     打包的矩阵（第 1 章）或 GPU 上确实如此；CPU 上没打包时，每多一行几乎多一整步。
     """
     if model.lm_head.blocks is not None:
-        # compile=True：解码一步本身更快，起草、多验证的行、提交相对地贵：草稿全错（每轮都要重建记忆）时实测
-        # 起草 1、2、3、4 个的一轮约 1.3、1.6、1.7～1.9、1.9～2.1 步，每多起草一个约多一步的 25%～30%
-        return 7.5 / model.cfg.num_hidden_layers
+        # compile=True：解码一步本身更快，起草与多验证的行相对地贵，机器快时（多行的 matvec 算不过读内存）更贵。
+        # 起草 1、2、3、4 个的一轮，机器慢时实测约 1.18、1.34、1.45、1.62 步；快时（拒绝还要重建记忆的时候）测过
+        # 1.3、1.6、1.7～1.9、1.9～2.1 步，不再重建之后约少 0.05 步。取快时的斜率：每多起草一个约多一步的 25%
+        return 6.0 / model.cfg.num_hidden_layers
     flat = model.lm_head.packed is not None or model.norm.weight.is_cuda
     return 2.5 / model.cfg.num_hidden_layers if flat else 0.9
 
