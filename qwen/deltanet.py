@@ -91,7 +91,8 @@ def state_after(parts, t: int, in_place: bool = False) -> torch.Tensor:
     把递推展开：每一步先整体衰减，再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
         S_t = e^{G_t} S₀ + Σ_{j≤t} e^{G_t − G_j} k_j ⊗ u_j,     G_t = g₀ + … + g_t
     投机解码拒绝草稿时，只需按这个式子算出被接受的最后一个位置之后的那一份，不必重算前向。
-    in_place=True 时结果直接写进 S₀（调用者不再需要它）：不分配、不多读写一块 1 MB 的新内存。
+    in_place=True 时结果直接写进 S₀（调用者不再需要它）：不分配、不多读写一块 1 MB 的新内存；
+    递推记下的那份则直接交出，不复制（in_place=False 时复制一份，调用者改它不会动到记下的历史）。
     """
     if isinstance(parts, list):  # 逐 token 递推记下的就是每个位置之后的 S：直接取，不用重建
         return parts[t] if in_place else parts[t].clone()
