@@ -18,9 +18,9 @@ import torch
 
 from qwen.chat import Chat
 from qwen.model import Model
-from qwen.mtp import DRAFT_VOCAB, MTP, extra_cost, speculate
+from qwen.fast import num_params
+from qwen.mtp import DRAFT_VOCAB, MTP, speculate
 from qwen.sample import generate
-from qwen.weights import num_params
 
 PROMPTS = ["用一句话介绍一下 Transformer。", "写一段 200 字的短文，介绍长江。"]
 # 没有对话模板的检查点（demo 模型只学过 Python 标准库）：给它几段代码开头，让它续写
@@ -60,7 +60,7 @@ def main(argv=None):
 
     try:
         model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile)
-        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.lm_head.dtype, draft_vocab=args.draft_vocab,
+        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.dtype, draft_vocab=args.draft_vocab,
                                   compile=args.compile)
         chat = Chat(model)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
@@ -74,9 +74,9 @@ def main(argv=None):
     if args.draft_tokens:
         how = f"固定 {args.draft_tokens} 个"
     else:
-        how = (f"自动（按接受率挑 0～4 个；这台机器上每多起草一个 token 约多花一步的 {extra_cost(model):.0%}，"
+        how = (f"自动（按接受率挑 0～4 个；这台机器上每多起草一个 token 约多花一步的 {mtp.draft_cost:.0%}，"
                "接受率低于它时不起草）")
-    print(f"线程 {torch.get_num_threads()}，dtype {str(model.lm_head.dtype).removeprefix('torch.')}，"
+    print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，"
           f"每轮起草：{how}\n")
 
     color = sys.stdout.isatty()

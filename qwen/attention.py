@@ -11,7 +11,7 @@ Qwen3.5 每四层里有一层是“完整”的 softmax 注意力，在标准做
 
 解码时每步只算新 token 的 q、k、v，旧的 k、v 从缓存里取：这就是 KV 缓存（AttentionState）。
 投影之后的注意力一律在 float32 里算，缓存也存 float32：CPU 上 bfloat16 的 scaled_dot_product_attention
-慢得多（实测解码一步、上下文 2000 时 3.5 ms 对 0.45 ms），而缓存每个 token 每层只有 4 KB。
+慢得多，而缓存每个 token 每层只有 4 KB。
 """
 
 import torch
@@ -20,7 +20,6 @@ from torch import nn
 
 from .norm import RMSNorm
 from .rope import apply_rope
-from .weights import Fused, Linear
 
 
 class AttentionState:
@@ -72,19 +71,22 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(h, self.num_heads * d * 2, bias=False)  # 查询与门，按头交错
-        self.k_proj = Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = Linear(self.num_heads * d, h, bias=False)
-        self.qkv = Fused(self.q_proj, self.k_proj, self.v_proj)  # 打包后三个投影一次乘完（第 1 章）
+        self.q_proj = nn.Linear(h, self.num_heads * d * 2, bias=False)  # 查询与门，按头交错
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def project(self, x):
+        """三个投影读同一个输入：q（连同门）、k、v。"""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, state: AttentionState | None = None, valid=None):
         """x [B, T, hidden]；valid [B, L] 为真表示该位置是真实 token（批处理左填充时用）。"""
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = (t.float() for t in self.qkv(x))  # 就是 q_proj(x)、k_proj(x)、v_proj(x)；注意力在 float32 里算
+        q, k, v = (t.float() for t in self.project(x))  # 注意力在 float32 里算
         q, gate = q.view(B, T, H, 2 * D).chunk(2, dim=-1)  # 每个头：[查询 256 | 门 256]
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.view(B, T, Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
@@ -94,7 +96,6 @@ class Attention(nn.Module):
         out = out * torch.sigmoid(gate.reshape(B, T, H * D))  # 输出门
         return self.o_proj(out.to(x.dtype))  # [B, T, hidden]
 
-    @torch.compiler.disable  # compile=True 时编译的解码步在这里断开：缓存长度每步都变，这一段照常逐个运算
     def attend(self, q, k, v, state: AttentionState | None, valid):
         """q [B, H, T, D]，新的 k、v [B, Hkv, T, D]：接上缓存，做带掩码的注意力，返回 [B, T, H·D]。"""
         B, H, T, D = q.shape

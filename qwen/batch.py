@@ -21,9 +21,9 @@ from .sample import check_sampling, make_generator, pick
 def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0, top_k=None, top_p=None, seed=None):
     """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。"""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
-    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not len(prompts):
         raise ValueError("prompts 不能为空，每个提示词至少要有一个 token")
+    prompts = [model.check_ids(p, None).flatten() for p in prompts]  # 每个提示词照常检查（空的、非整数的都报错）
     B, L = len(prompts), max(len(p) for p in prompts)
     device = model.norm.weight.device
     ids = torch.zeros(B, L, dtype=torch.long)

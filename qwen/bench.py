@@ -37,7 +37,8 @@ from .cache import State
 from .model import Model
 from .mtp import MAX_DRAFTS, MTP, speculate
 from .sample import generate, stream
-from .weights import Config, Linear, find_model, load_config, load_weights, save_checkpoint
+from .train import save_checkpoint
+from .weights import Config, find_model, load_config, load_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ACCEPTANCE = (0.5, 0.7, 0.9)
@@ -115,17 +116,19 @@ def read_bandwidth(x: torch.Tensor | None = None, repeats: int = 5) -> float:
 
 
 def bytes_per_token(model) -> int:
-    """解码一个 token 要读的权重字节数：每个矩阵读一遍；嵌入表只查一行。"""
+    """解码一个 token 要读的权重字节数：每个矩阵读一遍（换了布局的按它的原始形状算，分块布局补的零行不算）；
+    嵌入表只查一行。"""
+    from torch import nn
+
+    from .fast.linear import BlockedLinear, PackedLinear
+
     total = 0
     for m in model.modules():
-        if isinstance(m, Linear):
-            w = next((w for w in (m.packed, m.blocks, m.weight) if w is not None), None)  # 并进 Fused 的：由拼好的那个算
-            total += 0 if w is None else m.out_features * m.in_features * w.element_size()  # 分块布局的补零行不算
-        else:
-            for name, p in m.named_parameters(recurse=False):
-                if m is not model.embed_tokens:
-                    total += p.numel() * p.element_size()
-    return total + model.cfg.hidden_size * model.lm_head.dtype.itemsize
+        if isinstance(m, (PackedLinear, BlockedLinear)):
+            total += m.out_features * m.in_features * m.dtype.itemsize
+        elif m is not model.embed_tokens:  # nn.Linear 的权重、各种 norm 与 DeltaNet 的小参数
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total + model.cfg.hidden_size * model.dtype.itemsize
 
 
 def timed(fn):

@@ -10,6 +10,9 @@
 
 批处理时各行长度不同，我们在左边补齐（左填充）：valid 标出哪些位置是真实 token，
 pad 是每行补了几个，用来让每行的 RoPE 位置从它自己的第一个真实 token 数起。
+
+状态也可以存档与回退（snapshot / rollback）：拷下 DeltaNet 层那几块固定大小的状态，注意力的 KV 缓存只需
+记住长度、回退时截断。第 14 章的投机解码用它撤销被拒绝的草稿（最简单的做法）。
 """
 
 import torch
@@ -17,7 +20,7 @@ import torch
 from .attention import AttentionState
 from .deltanet import DeltaNetState
 
-__all__ = ["State", "AttentionState", "DeltaNetState"]
+__all__ = ["State", "AttentionState", "DeltaNetState", "snapshot", "rollback"]
 
 
 class State:
@@ -37,3 +40,18 @@ class State:
             ones = torch.ones(self.valid.shape[0], need, dtype=torch.bool, device=self.valid.device)
             self.valid = torch.cat([self.valid, ones], dim=1)
         return self.valid[:, : self.pos + T]
+
+
+def snapshot(state: State):
+    """存档：pos 与每个 DeltaNet 层的状态的拷贝（注意力层记 None：KV 缓存回退时截断即可，无需拷贝）。"""
+    return state.pos, [(s.conv.clone(), s.S.clone()) if isinstance(s, DeltaNetState) else None for s in state.layers]
+
+
+def rollback(state: State, snap) -> None:
+    """回到 snapshot 时的样子：之后喂进来的 token 全部作废。"""
+    state.pos, saved = snap
+    for s, kept in zip(state.layers, saved):
+        if kept is None:
+            s.truncate(state.pos)
+        else:
+            s.conv, s.S = kept

@@ -29,10 +29,9 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_place: bool = False, chunk: int = CHUNK):
+def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: int = CHUNK):
     """与 recurrent_gated_delta_rule 同签名：q、k [B, H, T, Dk]，v [B, H, T, Dv]，g、beta [B, H, T]，
     S [B, H, Dk, Dv]，全部 float32。返回 (输出 [B, H, T, Dv], 最终 S, keep_all 时的 (S₀, G, K, U) 或 None)。
-    in_place 只是允许覆盖 S；这里每块只更新一次 S，不值得，所以不用它。
 
     比一块短的输入就是一块（不补齐）。keep_all 只支持这种单块输入：验证草稿时只有几个 token。
     """
@@ -57,7 +56,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, in_place
     eye = torch.eye(chunk, dtype=A.dtype, device=A.device)
     I_A = A.tril(-1) + eye  # I + A（单位下三角）
     # 先解出 (I + A)⁻¹（右端是单位阵，64 列），再乘两个右端 [βV | βK ⊙ e^G]（共 256 列）。直接对 256 列的右端
-    # 解三角方程也行，但 LAPACK 把这些 64×64 的小方程组一个一个地解，右端越宽越慢：512 个 token 时每层约 7.4 → 1.6 + 2.1 ms（求逆 + 乘）
+    # 解三角方程也行，但 LAPACK 把这些 64×64 的小方程组一个一个地解，右端越宽越慢
     inv = torch.linalg.solve_triangular(I_A, eye.expand_as(I_A), upper=False, unitriangular=True)  # [B, H, N, C, C]
     rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)  # [B, H, N, C, Dv + Dk]
     U_, W = (inv @ rhs).split([v.shape[-1], Dk], -1)

@@ -4,10 +4,6 @@
 Qwen3.5-0.8B 的输出头与它共用同一个矩阵（tie_word_embeddings）：
 输入时按行查表，输出时用同一张表和隐藏状态做点积，得到每个词的分数（logits）。
 这张表有 248320 × 1024 ≈ 2.5 亿个数，占全部参数的三分之一。
-
-推理时（第 10 章的 from_pretrained 打包之后），输出头另有一份打包的副本（第 1 章），
-查表又每个 token 只要一行，于是这张表不再读进内存：weight 为 None，rows 是第 1 章的 RowReader，
-按 id 从检查点文件里读出那几行。训练、或不打包时，它就是一个普通的参数。
 """
 
 import torch
@@ -15,13 +11,9 @@ from torch import nn
 
 
 class Embedding(nn.Module):
-    rows = None  # RowReader：表留在检查点文件里时按行读（weight 为 None）
-
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(vocab_size, hidden_size) * 0.02)  # [vocab, hidden]；从零训练时的初值
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            return self.rows[ids]  # [B, T] → [B, T, hidden]：从文件读这几行
         return self.weight[ids]  # [B, T] → [B, T, hidden]

@@ -10,17 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weights import Fused, Linear
-
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up = Fused(self.gate_proj, self.up_proj)  # 打包后两个矩阵一次乘完（第 1 章）
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)  # 就是 gate_proj(x)、up_proj(x)
-        return self.down_proj(F.silu(gate) * up)  # [B, T, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, hidden]

@@ -17,18 +17,12 @@ import torch
 from torch import nn
 
 from .embedding import Embedding
-from .layer import DECODE_LENGTHS, DecoderLayer
+from .layer import DecoderLayer
 from .norm import RMSNorm
 from .rope import rope_tables
-from .weights import (Config, Linear, RowReader, can_pack, check_state_dict, compile_matvec,
-                      find_model, load_config, load_weights, pack_linears, preferred_dtype, tensor_file)
+from .weights import Config, check_state_dict, find_model, load_config, load_weights
 
-
-# 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长。
-# 512 个 token 的提示词实测（同一个模型上交替测）：段长 256 比 128 快 4%，比 512 快约 2%。
-# compile=True 时每段要把分块的矩阵拼回普通布局一次（第 1 章），段长 512 比 256 快约 9%（2.05 对 2.25 s）
-PREFILL_PIECE = 256
-COMPILED_PIECE = 512
+PREFILL_PIECE = 256  # 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长
 
 
 class Model(nn.Module):
@@ -38,14 +32,26 @@ class Model(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.piece = PREFILL_PIECE  # 长输入分段喂的段长（compile=True 时是 COMPILED_PIECE）
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.piece = PREFILL_PIECE  # 长输入分段喂的段长
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # 共用同一个参数
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """权重的 dtype（bfloat16 或 float32）。"""
+        return self.layers[0].dtype
+
     def check_ids(self, ids, state) -> torch.Tensor:
-        """把输入整理成 [B, T] 的 long 张量，不合法时给出清楚的错误。"""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.norm.weight.device)
+        """把输入整理成 [B, T] 的 long 张量，不合法时给出清楚的错误（不做任何取整之类的默默转换）。"""
+        try:
+            ids = torch.as_tensor(ids, device=self.norm.weight.device)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"ids 应为整数 token id 组成的张量或（嵌套的）列表，收到 {type(ids).__name__}：{str(ids)[:60]!r}"
+                             "；文字请先用分词器（Chat.encode）变成 id") from None
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"ids 应为整数 token id，收到 {ids.dtype} 的张量：不会替你取整，请先转成整数（.long()）")
+        ids = ids.long()
         if ids.ndim == 1:
             ids = ids[None]  # [T] → [1, T]
         if ids.ndim != 2:
@@ -75,12 +81,14 @@ class Model(nn.Module):
             valid = state.extend_valid(T)  # [B, pos + T]
             positions = positions - state.pad[:, None]  # [B, T]：每行从自己的第一个真实 token 数起
         cos, sin = rope_tables(self.cfg, positions)
-        x = self.embed_tokens(ids).float()  # [B, T, hidden]：残差流用 float32
+        x = self.embed_tokens(ids)  # [B, T, hidden]
+        dtype = x.dtype  # 权重的 dtype：最后的隐藏状态转回它，交给输出头
+        x = x.float()  # 残差流用 float32
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if state is None else state.layers[i], valid)
         if state is not None:
             state.pos += T
-        return self.norm(x).to(self.lm_head.dtype)
+        return self.norm(x).to(dtype)
 
     def forward(self, ids, state=None, last: bool = False) -> torch.Tensor:
         """logits [B, T, vocab]（float32）；last=True 时只算最后一个位置 [B, 1, vocab]，预填充省下大量计算。"""
@@ -94,43 +102,34 @@ class Model(nn.Module):
                         compile: bool = False) -> "Model":
         """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。
 
-        dtype 默认 preferred_dtype()：CPU 支持 bfloat16 时用 bfloat16，否则 float32。
-
-        pack=True（默认）时在 CPU 上把矩阵打包成 oneDNN 布局（第 1 章的 Linear.pack 与 Fused）：
-        只影响速度与内存，不影响结果。输出头也打包之后，嵌入表不再留在内存里，查表时从检查点文件按行读
-        （第 1 章的 RowReader），所以模型活着的时候检查点文件要在。要训练或修改权重时用 pack=False。
-
-        compile=True（可选，CPU 上、要有 C++ 编译器）换成第 1 章的分块布局：解码与验证（1～8 行，至多 32 行时分段）的矩阵乘法由
-        torch.compile 生成的循环来算；解码一个 token、验证 1～4 个草稿、长提示词的一整段时每层再整层编译
-        （第 9 章的 DecoderLayer.compiled），几十个小运算并成几个循环。bfloat16 的普通解码快五到七成，预填充差不多；
-        每种长度第一次用到时要编译（缓存为空时加载、生成、长提示词、投机解码合计约两分钟，之后每个新进程约 12 秒）。
-        结果只差舍入。
+        pack=False 时就是本章的普通模型（nn.Linear、nn.Parameter），dtype 默认 float32，可以训练、修改权重。
+        默认 pack=True 再交给附录 qwen.fast 变换一遍：CPU 上把矩阵换成读得更快的布局，dtype 默认 bfloat16（CPU 支持时）；
+        compile=True 换成附录里要 torch.compile 编译的布局。变换只影响速度与内存，输出只差浮点舍入。
         """
         path = find_model(path)
-        cfg = load_config(path)
-        dtype = dtype or preferred_dtype()
         with torch.device("meta"):
-            model = cls(cfg)  # 只有形状，没有内存
-        sd = load_weights(path, "model.", dtype)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        if cfg.tie_word_embeddings:
-            expected.pop("lm_head.weight")  # 共用嵌入：检查点里没有它
-            sd.pop("lm_head.weight", None)
-        check_state_dict(expected, sd, f"检查点 {path}")
-        model.load_state_dict(sd, strict=False, assign=True)
-        del sd  # 此后只有模型引用这些张量：打包时每换掉一个矩阵，旧的那份立刻释放
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight  # assign 之后重新绑定
-        kernel = compile_matvec(dtype) if compile and model.lm_head.weight.device.type == "cpu" else None
-        if kernel is not None or (pack and can_pack(model.lm_head.weight)):
-            # 先打包最大的输出头，再把嵌入表留在文件里、查表时按行读（第 2 章）：
-            model.lm_head.pack() if kernel is None else model.lm_head.block(kernel)
-            model.embed_tokens.weight = None  # 普通布局的那 0.5 GB 这就释放，之后打包各层时内存峰值低一些
-            model.embed_tokens.rows = RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), dtype)
-            pack_linears(model, kernel)
-        if kernel is not None:  # 每层（连同分块的 matvec）编译，用于这几种固定长度（第 9 章）：
-            model.piece = COMPILED_PIECE
-            for layer in model.layers:  # 解码一个 token、验证几个草稿、长提示词的一整段
-                layer.compile_for(DECODE_LENGTHS + (model.piece,))
+            model = cls(load_config(path))  # 只有形状，没有内存
         model.path = path
-        return model.eval()
+        return load_pretrained(model, path, "model.", dtype, pack, compile, "文本模型")
+
+
+def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compile: bool, what: str):
+    """读出检查点的一部分（第 1 章），核对名字与形状，用 load_state_dict(assign=True) 把张量直接装进 meta 设备上的
+    骨架；pack 或 compile 时再交给附录 qwen.fast 变换。Model 与第 14 章的 MTP 草稿头都这样加载。"""
+    fast = None
+    if pack or compile:
+        from . import fast  # 附录：CPU 上的快路径（只在这里用到，章节不依赖它）
+    sd = load_weights(path, part, dtype or (fast.preferred_dtype() if fast else torch.float32))
+    if not sd:
+        raise ValueError(f"检查点 {path} 里没有 {part}* 张量：它没有{what}")
+    tied = part == "model." and module.cfg.tie_word_embeddings  # 共用嵌入：检查点里没有 lm_head.weight
+    if tied:
+        sd.pop("lm_head.weight", None)
+    expected = {k: v.shape for k, v in module.state_dict().items() if not (tied and k == "lm_head.weight")}
+    check_state_dict(expected, sd, f"检查点 {path} 的{what}")
+    module.load_state_dict(sd, strict=not tied, assign=True)
+    del sd  # 此后只有模型引用这些张量：变换时每换掉一个矩阵，旧的那份立刻释放
+    if tied:
+        module.lm_head.weight = module.embed_tokens.weight  # assign 之后重新绑定：共用一个参数
+    module.eval()
+    return fast.speedup(module, path, compile=compile) if fast else module

@@ -50,6 +50,14 @@ def pick(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generato
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def choose(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None):
+    """一个位置的 logits [V] → (token, 抽样用的概率分布；贪心时为 None)。第 14 章的投机解码要这个分布。"""
+    if temperature == 0:
+        return int(logits.argmax()), None
+    p = probabilities(logits, temperature, top_k, top_p)
+    return int(torch.multinomial(p, 1, generator=generator)), p
+
+
 def make_generator(seed, device="cpu"):
     return None if seed is None else torch.Generator(device).manual_seed(seed)
 

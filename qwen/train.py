@@ -20,11 +20,13 @@ tokenizer.json），于是 `--model demo` 能像真的 Qwen3.5 一样被加载�
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import sysconfig
 import time
 import zlib
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from .model import Model
 from .mtp import MTP
-from .weights import Config, save_checkpoint
+from .weights import Config
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -222,6 +224,47 @@ def main(argv=None):
     metrics = train(Path(args.out), steps, args.minutes, args.batch, args.seq, args.lr, seed=args.seed)
     print(f"已写出 {args.out}：{metrics}")
 
+
+
+def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict | None = None,
+                    extra_text_config: dict | None = None, shard_bytes: int = 2 << 30) -> Path:
+    """按发布检查点的布局写出：config.json 嵌套 text_config，张量名 model.language_model.* 与 mtp.*，
+    分片加索引。model、mtp 是去掉前缀的 {名字: 张量}（共用嵌入时不含 lm_head.weight）。"""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {"model.language_model." + k: v for k, v in model.items()}
+    tensors.update({"mtp." + k: v for k, v in (mtp or {}).items()})
+    shards, size = [[]], 0
+    for name in sorted(tensors):
+        n = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: tensors[k].contiguous() for k in names}, str(path / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in names})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    half = cfg.rotary_dim // 2  # 多模态 RoPE 的三段（文本里三段位置相同，等价于普通 RoPE）
+    section = [round(half * 11 / 32), round(half * 11 / 32), half - 2 * round(half * 11 / 32)]
+    text = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    text.update(model_type="qwen3_5_text", mtp_num_hidden_layers=1 if mtp else 0,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                 "partial_rotary_factor": cfg.partial_rotary_factor,
+                                 "mrope_section": section, "mrope_interleaved": True})
+    text.update(extra_text_config or {})
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
+    (path / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return path
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,93 @@
+"""附录 · 快路径（机房）：把加载好的普通模型变换成 CPU 上快的样子。
+
+章节里的模型是普通的 torch 模块；Model.from_pretrained() 与 MTP.from_pretrained() 默认把加载好的模型交给
+这里的 speedup()，像 gpt-fast 的 quantize.py 变换一个普通模型那样，换掉模块或属性，章节不知道它的存在：
+
+- linear.py：矩阵的布局。默认打包成 oneDNN 布局（PackedLinear）；compile=True 换成按 32 个输出分块、
+  由 torch.compile 生成的 matvec 来乘（BlockedLinear）。读同一输入的几个投影拼成一个矩阵。
+- rows.py：输出头换了布局之后，与它共用的嵌入表留在检查点文件里，查表时按行读（FileEmbedding）。
+- layers.py：各层换成改写了几个小方法的子类：拼接的投影、就地更新的 DeltaNet 递推；compile=True 时整层编译。
+- 本文件：变换本身、起草时给词表前几万个 token 打分的快办法（FastMTP），以及自动挑草稿数用的代价估计。
+
+变换只影响速度与内存，输出只差浮点舍入（测试逐 token 核对）。每条快路径为什么快、快多少，见 docs/performance.md。
+"""
+
+import torch
+from torch import nn
+
+from ..model import Model
+from ..mtp import MTP
+from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
+from .linear import BLOCK, BlockedLinear, PackedLinear, can_pack, compile_matvec, fast_linear, gemv
+from .rows import FileEmbedding, RowReader, tensor_file
+
+# 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章的 best_draft_count）。打包的布局读一遍权重就能
+# 算几行，多验证一行几乎不花钱：起草一次是草稿头的一层（主模型 L 层，约 1/L）加输出头的前 32768 行（0.8B 上又约 1/L），
+# 验证多一行约 0.5/L。compile=True 时解码一步本身更快，起草与多验证的行相对更贵。实测依据见 docs/performance.md。
+PACKED_COST, COMPILED_COST = 2.5, 6.0  # 乘以 1/层数
+
+
+def preferred_dtype() -> torch.dtype:
+    """默认的计算 dtype：CPU 支持 bfloat16 指令（oneDNN 能用）时用 bfloat16——读的字节少一半；否则 float32。"""
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def speedup(module, path, compile: bool = False):
+    """变换一个已加载的 Model 或 MTP（path 是它的检查点文件夹），返回同一个对象。这台机器用不了时原样返回。"""
+    some = next(m.weight for m in module.modules() if isinstance(m, nn.Linear))
+    if some.device.type != "cpu" or not (compile or can_pack(some)):
+        return module
+    kernel = compile_matvec(some.dtype) if compile else None
+    if isinstance(module, MTP):
+        return speed_up_mtp(module, path, kernel)
+    model: Model = module
+    # 先换最大的输出头，再把嵌入表留在文件里：普通布局的那 0.5 GB 这就释放，之后换各层时内存峰值低一些
+    model.lm_head = fast_linear([model.lm_head], kernel)
+    model.embed_tokens = FileEmbedding(RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), some.dtype))
+    for layer in model.layers:
+        speed_up_layer(layer, kernel)
+    if kernel is not None:  # 每层在几种固定长度上整层编译：解码一个 token、验证几个草稿、长提示词的一整段
+        model.piece = COMPILED_PIECE
+        for layer in model.layers:
+            layer.compile_for(DECODE_LENGTHS + (model.piece,))
+    return model
+
+
+class FastMTP(MTP):
+    draft_rows = None  # [draft_vocab, h]：输出头前 draft_vocab 行的普通布局副本（打包布局时读出）
+
+    def draft_logits(self, model, x):
+        """只打前 draft_vocab 个 token 的分：compile=True 时输出头本来就是分块布局，前 draft_vocab / 32 块就是这些行，
+        用同一个编译的 matvec 乘，也不必另存一份；打包的布局里切不出前几行，用加载时读出的 draft_rows 走 gemv。"""
+        n, head = self.draft_vocab, model.lm_head
+        if n is None or n >= model.cfg.vocab_size or isinstance(head, nn.Linear):
+            return super().draft_logits(model, x)
+        if isinstance(head, BlockedLinear):
+            y = head.kernel(x.reshape(-1, x.shape[-1]), head.blocks[: -(-n // BLOCK)])  # [B, ⌈n/32⌉·32]
+            return y[:, :n].reshape(*x.shape[:-1], -1).float()  # [B, 1, n]
+        if self.draft_rows is None or self.draft_rows.shape[0] < n:
+            have = 0 if self.draft_rows is None else self.draft_rows.shape[0]
+            raise ValueError(f"草稿头要输出头的前 {n} 行，但手上只有 {have} 行："
+                             "请用与主模型相同的 compile 设置、MTP.from_pretrained(..., draft_vocab=...) 重新加载")
+        return gemv(x, self.draft_rows[:n]).float()  # [B, 1, n]
+
+
+def speed_up_mtp(mtp: MTP, path, kernel=None) -> MTP:
+    mtp.fc = fast_linear([mtp.fc], kernel)
+    speed_up_layer(mtp.layers[0], kernel)
+    mtp.__class__ = FastMTP
+    mtp.draft_cost = (PACKED_COST if kernel is None else COMPILED_COST) / mtp.cfg.num_hidden_layers
+    if kernel is not None:  # 起草一个 token、送进上一轮留下的几对：与主模型的层一样整层编译
+        mtp.layers[0].compile_for(DECODE_LENGTHS)
+    elif mtp.draft_vocab is not None:  # 打包的输出头里切不出前几行：另读一份小副本（0.8B 取 32768 行时 64 MB）
+        head = ("model.", "embed_tokens.weight") if mtp.cfg.tie_word_embeddings else ("", "lm_head.weight")
+        mtp.draft_rows = RowReader(*tensor_file(path, *head), mtp.fc.dtype).head(mtp.draft_vocab)
+    return mtp
+
+
+def num_params(module: nn.Module) -> int:
+    """参数个数，换了布局、不再是 nn.Parameter 的矩阵也算上。"""
+    fast = sum(m.out_features * m.in_features for m in module.modules() if isinstance(m, (PackedLinear, BlockedLinear)))
+    return sum(p.numel() for p in module.parameters()) + fast

@@ -1,0 +1,120 @@
+"""附录 · 快路径：换上快布局的各层，以及整层编译。
+
+变换不新建模块、不动参数的名字：把已加载的普通模块换成这里的子类（module.__class__ = 子类，对象还是那个对象），
+再把它的 nn.Linear 换成 linear.py 的布局。子类只改写章节里留好的小方法：
+- project：读同一输入的几个投影拼成一个矩阵，一次乘完再切开；
+- delta_rule：解码时 DeltaNet 用就地更新的递推（recurrent_in_place）；
+- attend：compile=True 时编译的层在注意力处断开（缓存长度每步都变，这一段照常逐个运算，不引起重新编译）；
+- forward（解码层）：compile=True 时几种固定的长度改走整层编译的版本。
+
+解码一个 token 时，一层是几十个只有几千个数的小运算，每个都有几微秒的固定开销；整层交给 torch.compile
+（形状固定）之后，逐元素运算并成几个 C++ 循环，连同分块布局的 matvec。
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import Attention
+from ..chunk import chunk_gated_delta_rule
+from ..deltanet import GatedDeltaNet
+from ..layer import RECURRENT_MAX_T, DecoderLayer
+from ..mlp import MLP
+from .linear import COMPILE_OPTIONS, fast_linear
+
+DECODE_LENGTHS = (1, 2, 3, 4, 5)  # compile=True 时整层编译的短长度：解码 1 个 token，验证 1～4 个草稿
+COMPILED_PIECE = 512  # compile=True 时长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
+
+
+def recurrent_in_place(q, k, v, g, beta, S, keep_all: bool = False):
+    """与第 7 章的 recurrent_gated_delta_rule 同签名、同结果，只是更快：
+
+    S 是每层 1 MB 的 float32 矩阵，解码一步有不少时间花在读写它上面。把三行公式重排成只读一遍旧 S：
+        [Sᵀk, Sᵀq] = 旧 S 一次乘两个向量
+        δ = β(v − e^g Sᵀk)                  衰减之后的 S 对 k 的预测就是 e^g Sᵀk
+        o = e^g Sᵀq + (qᵀk) δ               新 S 对 q 的读出：衰减的旧记忆 + 刚写进去的 k ⊗ δ
+        S ← e^g S + k ⊗ δ                   推理时（不求导）就地更新传入的 S：少分配、少写一块新内存
+    传入的 S 要么是状态里马上被替换的那份，要么是新建的零矩阵，所以可以覆盖。keep_all 时只有第一步就地：
+    投机解码回滚时至少留下第一个 token，S₀ 用不着；之后每步新建一份，前一个位置之后的 S 才留得住。
+    """
+    T = q.shape[2]
+    outs, states = [], []
+    grad = torch.is_grad_enabled()  # 训练时不能就地改：反向传播要用每一步的旧 S
+    decay = g.exp()[..., None]  # [B, H, T, 1]：e^g
+    kq = torch.stack([k, q], dim=3)  # [B, H, T, 2, Dk]
+    qk = (q * k).sum(-1, keepdim=True)  # [B, H, T, 1]：qᵀk
+    for t in range(T):
+        d = decay[:, :, t : t + 1]  # [B, H, 1, 1]
+        pred, read = (kq[:, :, t] @ S).split(1, dim=2)  # Sᵀk、Sᵀq，各 [B, H, 1, Dv]
+        delta = (v[:, :, t : t + 1] - d * pred) * beta[:, :, t : t + 1, None]  # δ = β(v − e^g Sᵀk)
+        outs.append(d * read + qk[:, :, t : t + 1] * delta)  # o = e^g Sᵀq + (qᵀk) δ
+        if (t == 0 or not keep_all) and not grad:
+            S.mul_(d).addcmul_(k[:, :, t, :, None], delta)
+        else:
+            S = (S * d).addcmul_(k[:, :, t, :, None], delta)  # [Dk, 1] 乘 [1, Dv] 广播成外积
+        states.append(S)
+    o = outs[0] if T == 1 else torch.cat(outs, dim=2)  # [B, H, T, Dv]
+    return o, S, (states if keep_all else None)
+
+
+class FastMLP(MLP):
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # gate_proj、up_proj 拼成一个矩阵
+        return self.down_proj(F.silu(gate) * up)
+
+
+class FastAttention(Attention):
+    def project(self, x):
+        return self.qkv(x).split(self.qkv_sizes, dim=-1)  # q_proj、k_proj、v_proj 拼成一个矩阵
+
+    attend = torch.compiler.disable(Attention.attend)  # 编译的层在这里断开
+
+
+class FastDeltaNet(GatedDeltaNet):
+    def project(self, x):
+        return self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # 四个输入投影拼成一个矩阵
+
+
+class FastDecoderLayer(DecoderLayer):
+    compiled = None  # compile=True 时：本层 forward 的编译版本
+    compiled_lengths = ()  # 哪些 token 数走编译版本，每种各编译一次（形状固定）
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.mlp.down_proj.dtype
+
+    def delta_rule(self, T: int):
+        return recurrent_in_place if T <= RECURRENT_MAX_T else chunk_gated_delta_rule
+
+    def compile_for(self, lengths) -> None:
+        self.compiled = torch.compile(super().forward, dynamic=False, options=COMPILE_OPTIONS)
+        self.compiled_lengths = tuple(lengths)
+
+    def forward(self, x, cos, sin, state=None, valid=None):
+        if self.compiled is not None and x.shape[1] in self.compiled_lengths and state is not None and valid is None:
+            return self.compiled(x, cos, sin, state)
+        return super().forward(x, cos, sin, state, valid)
+
+
+def fuse(module, name: str, parts: list[str], kernel) -> None:
+    """module 的几个投影（parts，读同一输入）拼成一个矩阵 module.<name>，记下各自的宽度以便切开；原来的投影删掉。"""
+    linears = [getattr(module, p) for p in parts]
+    setattr(module, name, fast_linear(linears, kernel))
+    setattr(module, name + "_sizes", [m.out_features for m in linears])
+    for p in parts:
+        delattr(module, p)
+
+
+def speed_up_layer(layer: DecoderLayer, kernel=None) -> None:
+    """把一个已加载的解码层就地换成快的版本（kernel 给定时用分块布局，否则打包的布局）。"""
+    layer.__class__ = FastDecoderLayer
+    layer.mlp.__class__ = FastMLP
+    fuse(layer.mlp, "gate_up", ["gate_proj", "up_proj"], kernel)
+    layer.mlp.down_proj = fast_linear([layer.mlp.down_proj], kernel)
+    if layer.layer_type == "linear_attention":
+        mixer, name, parts, out = layer.linear_attn, "in_proj", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "out_proj"
+        mixer.__class__ = FastDeltaNet
+    else:
+        mixer, name, parts, out = layer.self_attn, "qkv", ["q_proj", "k_proj", "v_proj"], "o_proj"
+        mixer.__class__ = FastAttention
+    fuse(mixer, name, parts, kernel)
+    setattr(mixer, out, fast_linear([getattr(mixer, out)], kernel))

@@ -1,0 +1,146 @@
+"""附录 · 快路径：矩阵乘法的三种布局。
+
+解码一个 token 要把全部权重从内存读一遍，速度的上限是“权重字节数 ÷ 内存带宽”；矩阵乘法怎么读权重决定了离上限多远。
+
+- PackedLinear（默认）：PyTorch 在 CPU 上把 bfloat16 矩阵乘法交给 oneDNN，而 oneDNN 每次调用都先把 [out, in] 的权重
+  重排成它的分块布局：权重实际被读写了三遍。加载时重排一次（_reorder_linear_weight），之后每次只读一遍，
+  1 到 8 行输入（投机解码一次验证几个 token）读的都是同样一遍权重。bfloat16 内核在 4 行时读得最快，不足 4 行就补零行。
+- BlockedLinear（compile=True）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；torch.compile 为 matvec_blocks
+  生成一个小循环：逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。两个线程各自顺序读自己那一半，硬件预取最顺手。
+  行数多时（长的预填充）每个乘加读到的权重少，就先拼回普通布局交给 F.linear。
+- gemv：一行输入乘普通布局的权重时绕开 oneDNN，用 PyTorch 自己的 gemv（草稿头给输出头的前几万行打分时用）。
+
+几个读同一输入的矩阵（q/k/v，gate/up，DeltaNet 的四个输入投影）拼成一个再换布局：调用少了，一次连续读一大块也更快。
+所有布局只影响速度，输出只差浮点舍入。性能数字见 docs/performance.md。
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
+BLOCK = 32  # 分块布局每块的输出个数
+BLOCK_ROWS = 8  # 编译的 matvec_blocks 一次最多乘这么多行（解码 1 行，验证 k 个草稿 k + 1 行）
+KERNEL_ROWS = 32  # 不超过这么多行时每 8 行一段用 matvec_blocks；更多行时拼回普通布局（拼回一次有固定的代价）
+COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}  # 生成的 C++ 里允许把乘、加合成 FMA
+
+
+class PackedLinear(nn.Module):
+    """oneDNN 布局的矩阵：y = x Wᵀ (+ b)。只用于推理，权重不在 state_dict 里。"""
+
+    def __init__(self, weight: torch.Tensor, bias=None, rows: int = PAD_ROWS):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)  # rows：oneDNN 按预计的行数挑布局
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows < PAD_ROWS and x.dtype == torch.bfloat16:  # 算 4 行与算 1 行读的是同样多的权重：补几行零，算完丢掉
+            x4 = F.pad(x.reshape(rows, -1), (0, 0, 0, PAD_ROWS - rows))  # [4, in]
+            return self.onednn(x4)[:rows].reshape(*x.shape[:-1], -1)
+        return self.onednn(x)
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def to_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] → [⌈out/32⌉, in, 32]：第 b 块是第 32b…32b+31 个输出的权重，按输入维连续存放。out 不是 32 的倍数时补零行。"""
+    out, n_in = weight.shape
+    if out % BLOCK:
+        weight = F.pad(weight, (0, 0, 0, -out % BLOCK))
+    return weight.view(-1, BLOCK, n_in).transpose(1, 2).contiguous()
+
+
+def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
+    """to_blocks 的逆，复制一份：[⌈out/32⌉, in, 32] → [out, in]。复制成转置的 [in, out]（每块的 32 个数原样搬过去，
+    比逐个转置快），返回它的转置视图：F.linear 收到的就是 [in, out] 按行存放的普通矩阵乘法。"""
+    return blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)[:, :out].t()
+
+
+def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [M, in]（M 很小）乘分块布局的权重 → [M, ⌈out/32⌉·32]，在 float32 里累加。
+
+    y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。torch.compile 把 M 行的归约生成进同一个循环，权重只读一遍。
+    不编译时它也是对的，只是每行都要物化一个与权重一样大的中间结果，很慢。
+    第一行不改变 x：torch.compile 会把算出 x 的逐元素运算（比如层里的 RMSNorm）内联进这个循环，权重的每一块都把它们
+    重算一遍；as_strided 要求输入是一块真实的内存，编译器只好先把 x 算好存下来，循环里只剩读权重、乘加。
+    """
+    x = torch.as_strided(x, x.shape, x.stride())
+    w = blocks.float()  # [B, in, 32]
+    rows = [(w * x[m].float()[None, :, None]).sum(1).flatten() for m in range(x.shape[0])]  # 每个 [B·32]
+    return torch.stack(rows).to(x.dtype)
+
+
+def compile_matvec(dtype: torch.dtype = torch.float32):
+    """matvec_blocks 的编译版本。dynamic=True：各种形状的矩阵共用一份代码，每种行数 M 各编译一次（结果缓存在磁盘上）。
+    加载时先按权重的 dtype 编译一行输入的版本：缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状
+    kernel = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)
+    try:
+        with torch.inference_mode():  # 编译结果按求导模式分开缓存：编译的就是生成时要用的那份
+            kernel(torch.ones(1, 8, dtype=dtype), torch.ones(2, 8, BLOCK, dtype=dtype))
+    except Exception as e:
+        raise RuntimeError(
+            f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
+            f"{type(e).__name__}: {str(e)[:300]}。不加 compile=True 就用默认的 oneDNN 打包布局。"
+        ) from None
+    return kernel
+
+
+class BlockedLinear(nn.Module):
+    """分块布局的矩阵（to_blocks），不超过 KERNEL_ROWS 行输入时用 kernel（compile_matvec() 的结果）每 8 行一段地乘。"""
+
+    def __init__(self, weight: torch.Tensor, kernel, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.blocks = to_blocks(weight.detach())
+        self.kernel, self.bias = kernel, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        M = x2.shape[0]
+        if M > KERNEL_ROWS:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
+            y = F.linear(x2, from_blocks(self.blocks, self.out_features), self.bias)
+        else:
+            if M <= BLOCK_ROWS:
+                y = self.kernel(x2, self.blocks)  # [M, ⌈out/32⌉·32]
+            else:  # 每 8 行一段（复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译）
+                y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks) for i in range(0, M, BLOCK_ROWS)])
+            y = y[:, : self.out_features]  # [M, out]：去掉补的零行
+            y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """一行输入乘普通布局的权重：CPU 上的 bfloat16 暂时关掉 oneDNN（它每次都先重排权重），走 PyTorch 自带的 gemv。
+    开关 oneDNN 的是进程级的标志：别的线程若在同一时刻做矩阵乘法，也会短暂地不用 oneDNN（结果不变，只是慢些）。"""
+    if x.dtype != torch.bfloat16 or x.is_cuda:
+        return F.linear(x, weight)
+    enabled = torch.backends.mkldnn.set_flags(False)[0]
+    try:
+        return F.linear(x, weight)
+    finally:
+        torch.backends.mkldnn.set_flags(enabled)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """这台机器、这个 dtype 能不能打包：只在 CPU 上，且 oneDNN 支持该 dtype。"""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
+
+
+def fast_linear(linears, kernel=None) -> nn.Module:
+    """几个读同一输入的 nn.Linear（一个也行）的权重上下拼成一个，换成分块布局（给了 kernel）或打包的布局。"""
+    def cat(ts):
+        return ts[0].detach() if len(ts) == 1 else torch.cat([t.detach() for t in ts])  # 一个时不复制（输出头有 0.5 GB）
+
+    weight = cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else cat([m.bias.float() for m in linears])
+    return PackedLinear(weight, bias) if kernel is None else BlockedLinear(weight, kernel, bias)

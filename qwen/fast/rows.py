@@ -1,0 +1,76 @@
+"""附录 · 快路径：留在文件里的词嵌入表。
+
+打包之后输出头已有一份自己布局的副本，与它共用的嵌入表（0.8B 上 248320 × 1024，0.5 GB）就不必再放在内存里：
+查表每个 token 只要一行，RowReader 按偏移从 safetensors 文件里直接读出那几行。safetensors 文件是 8 字节的头长度 n、
+n 字节的 JSON 头（每个张量的 dtype、shape 与 data_offsets），再接原始字节，所以第 i 行在固定的偏移处。
+不用内存映射：映射里读过的页会算进本进程的常驻内存，内核还会顺带映射周围的一大片。
+所以模型在用的时候检查点文件要在。
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..weights import open_safetensors, safetensors_files
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def tensor_file(path, part: str, key: str) -> tuple[Path, str]:
+    """一个张量在检查点的哪个文件里、全名是什么。key 去掉了前缀，如 part="model."、key="embed_tokens.weight"。"""
+    prefixes = ("model.language_model.", "model.") if part == "model." else (part,)
+    for file in safetensors_files(path):
+        with open_safetensors(file) as f:
+            names = set(f.keys())
+        for prefix in prefixes:
+            if prefix + key in names:
+                return file, prefix + key
+    raise ValueError(f"检查点 {path} 里没有张量 {key}（前缀 {' 或 '.join(prefixes)}）")
+
+
+class RowReader:
+    """检查点里的一个二维张量，留在磁盘上：reader[ids] 只读出这几行。"""
+
+    def __init__(self, file: str | os.PathLike, name: str, dtype: torch.dtype | None = None):
+        self.file = open(file, "rb")  # 一直开着，对象回收时关闭
+        n = int.from_bytes(self.file.read(8), "little")
+        info = json.loads(self.file.read(n))[name]
+        if info["dtype"] not in SAFETENSORS_DTYPES or len(info["shape"]) != 2:
+            raise ValueError(f"{file} 里的 {name} 是 {info['dtype']} {info['shape']}：按行读只支持二维的浮点张量")
+        self.file_dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        self.shape = tuple(info["shape"])  # [行数, 列数]
+        self.dtype = dtype or self.file_dtype
+        self.row_bytes = self.shape[1] * self.file_dtype.itemsize
+        self.start = 8 + n + info["data_offsets"][0]  # 这个张量的第 0 行在文件里的偏移
+
+    def __del__(self):
+        if hasattr(self, "file"):
+            self.file.close()
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids 任意形状的整数张量 → [..., 列数]，dtype 为 self.dtype。"""
+        buf = bytearray()
+        for i in ids.flatten().tolist():
+            self.file.seek(self.start + i * self.row_bytes)
+            buf += self.file.read(self.row_bytes)
+        return torch.frombuffer(buf, dtype=self.file_dtype).view(*ids.shape, self.shape[1]).to(self.dtype)
+
+    def head(self, n: int) -> torch.Tensor:
+        """前 n 行，一次连续读出：[n, 列数]。"""
+        self.file.seek(self.start)
+        buf = bytearray(self.file.read(n * self.row_bytes))
+        return torch.frombuffer(buf, dtype=self.file_dtype).view(n, self.shape[1]).to(self.dtype)
+
+
+class FileEmbedding(nn.Module):
+    """代替第 2 章的 Embedding：查表时从检查点文件按行读（RowReader），内存里没有这张表。"""
+
+    def __init__(self, rows: RowReader):
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows[ids]  # [B, T] → [B, T, hidden]
