@@ -49,23 +49,19 @@ class Model(nn.Module):
         except (TypeError, ValueError, RuntimeError):
             raise ValueError(f"ids 应为整数 token id 组成的张量或（嵌套的）列表，收到 {type(ids).__name__}：{str(ids)[:60]!r}"
                              "；文字请先用分词器（Chat.encode）变成 id") from None
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"ids 应为整数 token id，收到 {ids.dtype} 的张量：不会替你取整，请先转成整数（.long()）")
-        ids = ids.long()
-        if ids.ndim == 1:
-            ids = ids[None]  # [T] → [1, T]
-        if ids.ndim != 2:
-            raise ValueError(f"ids 应为 [batch, 长度] 的二维张量，收到形状 {tuple(ids.shape)}")
         if ids.numel() == 0:
             raise ValueError("ids 是空的：至少要有一个 token")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"ids 应为整数 token id，收到 {ids.dtype} 的张量：不会替你取整，请先转成整数（.long()）")
+        ids = ids.long()[None] if ids.ndim == 1 else ids.long()  # [T] → [1, T]
+        if ids.ndim != 2:
+            raise ValueError(f"ids 应为 [batch, 长度] 的二维张量，收到形状 {tuple(ids.shape)}")
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
             raise ValueError(f"token id 超出词表范围 [0, {self.cfg.vocab_size})")
         pos = state.pos if state is not None else 0
         if pos + ids.shape[1] > self.cfg.max_position_embeddings:
-            raise ValueError(
-                f"序列太长：已有 {pos} 个位置，再加 {ids.shape[1]} 个超过 "
-                f"max_position_embeddings = {self.cfg.max_position_embeddings}"
-            )
+            raise ValueError(f"序列太长：已有 {pos} 个位置，再加 {ids.shape[1]} 个超过 "
+                             f"max_position_embeddings = {self.cfg.max_position_embeddings}")
         return ids
 
     def hidden(self, ids, state=None) -> torch.Tensor:

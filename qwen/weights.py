@@ -78,7 +78,7 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         """从 config.json 的内容构造；嵌套的 text_config 与扁平的写法都接受。"""
-        model_type = d.get("model_type")
+        model_type = d.get("model_type") if isinstance(d, dict) else None
         if model_type not in MODEL_TYPES:
             raise ValueError(f"这不是 Qwen3.5 的检查点：config.json 的 model_type 是 {model_type!r}，"
                              f"需要 {' 或 '.join(repr(t) for t in MODEL_TYPES)}")
@@ -99,12 +99,11 @@ def load_config(path: str | os.PathLike) -> Config:
         raise FileNotFoundError(f"{path} 里没有 config.json：这不是一个 Hugging Face 检查点文件夹。"
                                 f"请指向含 config.json 与 *.safetensors 的文件夹（例如 {REPO_ID} 的本地副本）。")
     try:
-        d = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return Config.from_dict(json.loads(file.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as e:
         raise ValueError(f"{file} 不是合法的 JSON（{e}）：文件可能被截断或改坏了，请重新下载或修正它") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{file} 应是一个 JSON 对象（{{...}}），收到 {type(d).__name__}")
-    return Config.from_dict(d)
+    except ValueError as e:  # 配置本身不对（别的模型、写错的字段）：带上文件名
+        raise ValueError(f"{file}：{e}") from None
 
 
 def find_model(path: str | os.PathLike | None = None) -> Path:

@@ -36,20 +36,20 @@ def test_random_checkpoint_has_the_released_layout(tmp_path):
     assert torch.equal(greedy[0, 1:], ids[0, 1:])  # 嵌入主导残差流：贪心续写就是重复当前 token，余量很大
 
 
-def test_bytes_per_token_counts_every_matrix_once(tiny):
-    """每个矩阵读一遍（lm_head 与嵌入共用，打包的副本按同样的字节算），嵌入表只查一行。"""
-    for dtype, packed, compile in ((torch.bfloat16, True, False), (torch.float32, False, False),
-                                   (torch.bfloat16, True, True)):
-        model = Model.from_pretrained(tiny[0], dtype=dtype, pack=packed, compile=compile)
-        assert (model.lm_head.packed is not None) == (packed and not compile)
-        assert (model.lm_head.blocks is not None) == compile
-        unique = sum(p.numel() * p.element_size() for p in model.parameters())  # 打包后释放的不在这里
-        unique += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
-                      if getattr(m, "packed", None) is not None)  # 打包时嵌入表留在文件里，输出头只有打包的一份
-        unique += sum(m.out_features * m.in_features * dtype.itemsize for m in model.modules()
-                      if getattr(m, "blocks", None) is not None)  # 分块布局补的零行不算
-        row = model.cfg.hidden_size * dtype.itemsize
-        assert bytes_per_token(model) == unique + row
+def test_bytes_per_token_from_the_shapes(tiny):
+    """解码一个 token 读的字节数，由配置里的形状独立算出：每个矩阵一遍（共用的嵌入与输出头算一次），嵌入表只查一行，
+    一维参数与卷积核是 float32；与布局无关（打包的、分块的、普通的都一样）。"""
+    c = load_config(tiny[0])
+    h, qkv = c.hidden_size, 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    v = c.linear_num_value_heads * c.linear_value_head_dim
+    deltanet = h * (qkv + v + 2 * c.linear_num_value_heads) + v * h  # in_proj_qkv、z、b、a 与 out_proj
+    attention = h * 2 * c.num_attention_heads * c.head_dim + 2 * h * c.num_key_value_heads * c.head_dim + c.num_attention_heads * c.head_dim * h
+    matrices = 3 * deltanet + attention + c.num_hidden_layers * 3 * h * c.intermediate_size + c.vocab_size * h
+    small = 3 * (qkv * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads + c.linear_value_head_dim)  # 卷积核、A_log、dt_bias、门控 norm
+    small += 2 * c.head_dim + c.num_hidden_layers * 2 * h + h  # q_norm、k_norm；每层两个 norm；最后的 norm
+    for dtype, pack, compile in ((torch.bfloat16, True, False), (torch.float32, False, False), (torch.float32, True, True)):
+        model = Model.from_pretrained(tiny[0], dtype=dtype, pack=pack, compile=compile)
+        assert bytes_per_token(model) == (matrices + h) * dtype.itemsize + 4 * small
 
 
 def test_merge_rounds_takes_the_fastest_decode_with_its_own_bandwidth():
@@ -83,13 +83,11 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     for key in ("qwen", "qwen_compile"):
         spec = res["runs"]["bfloat16"][key]["spec"]
         assert len(spec) == 9 + 4 + 3
-        assert len({s["plain_seconds"] for s in spec}) == len(spec)  # 每次投机解码都与它自己前后的两次普通贪心比
         assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
-        for s in spec:  # 每组设置测两次（自动挑 k 测四次）；加速比按解码阶段（扣掉预填充）的总秒数算
-            assert len(s["speedups"]) == (4 if s["k"] == "auto" else 2) and s["speedup"] == s["plain_seconds"] / s["seconds"]
+        for s in spec:  # 每组设置测两次（自动挑 k 测四次）；加速比按解码阶段算，比含预填充的总秒数少
+            assert len(s["speedups"]) == (4 if s["k"] == "auto" else 2)
             if s["k"] == 1:  # 每轮只起草一个：第一个草稿位置的接受率就是总的接受率
                 assert s["first_acceptance"] == s["acceptance"]
-            assert 0 <= s["first_acceptance"] <= 1
             assert 0 < s["seconds"] < s["seconds_total"] and 0 < s["plain_seconds"] < s["plain_seconds_total"]
     assert res["runs"]["float32"]["compile_agreement"] == 1.0
     assert res["runs"]["float32"]["greedy_agreement"] == 1.0  # float32 下与 transformers 的贪心逐 token 相同

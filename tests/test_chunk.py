@@ -55,34 +55,13 @@ def test_chunked_is_differentiable():
     assert v.grad is not None and torch.isfinite(v.grad).all()
 
 
-@pytest.mark.parametrize("T", [1, 2, 3])
-@pytest.mark.parametrize("keep_all", [False, True])
-def test_recurrent_in_place(T, keep_all):
-    """in_place=False 时调用者的 S 不被改动；in_place=True 时就地更新，结果与不就地时相同。
-    keep_all 时每个位置之后的 S 各是一份：只有第一步写进传入的 S（投机解码至少留下第一个 token，S₀ 用不着）。"""
-    q, k, v, g, beta, S0 = inputs(T, seed=T)
-    before = S0.clone()
-    with torch.inference_mode():
-        o1, S1, p1 = recurrent_gated_delta_rule(q, k, v, g, beta, S0, keep_all=keep_all)
-        assert torch.equal(S0, before)
-        o2, S2, p2 = recurrent_gated_delta_rule(q, k, v, g, beta, S0, keep_all=keep_all, in_place=True)
-    assert torch.equal(o1, o2) and torch.equal(S1, S2)
-    if keep_all:
-        assert len(p2) == T and all(torch.equal(a, b) for a, b in zip(p1, p2))
-        assert len({s.data_ptr() for s in p2}) == T  # 后面的位置没有覆盖前面的
-        assert p2[0].data_ptr() == S0.data_ptr()  # 第一步就地
-    else:
-        assert S2.data_ptr() == S0.data_ptr()  # 真的就地：返回的就是传入的那块内存
-
-
-@pytest.mark.parametrize("in_place", [False, True])
-def test_recurrent_is_differentiable(in_place):
-    """求导时递推不就地改 S（反向传播要用每一步的旧 S），in_place=True 也一样；梯度与分块形式的相同。"""
+def test_recurrent_is_differentiable():
+    """逐 token 递推也能求导（每一步新建 S）：梯度与分块形式的相同。"""
     q, k, v, g, beta, S0 = inputs(3)
     grads = []
     for rule in (recurrent_gated_delta_rule, chunk_gated_delta_rule):
-        kk, vv = k.clone().requires_grad_(True), v.clone().requires_grad_(True)  # k 求导时 Sᵀk 要留着旧 S
-        o, S, _ = rule(q, kk, vv, g, beta, S0.clone(), in_place=in_place)
+        kk, vv = k.clone().requires_grad_(True), v.clone().requires_grad_(True)
+        o, S, _ = rule(q, kk, vv, g, beta, S0.clone())
         (o.sum() + S.sum()).backward()
         grads.append(torch.cat([kk.grad.flatten(), vv.grad.flatten()]))
     assert (grads[0] - grads[1]).abs().max().item() <= 1e-4

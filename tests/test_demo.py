@@ -81,10 +81,12 @@ def test_demo_auto_drafts_equal_greedy_in_bfloat16():
 
 def test_chapter_script_on_demo():
     script = Path(__file__).resolve().parent.parent / "ch14_mtp.py"
-    out = subprocess.run([sys.executable, str(script), "--model", "demo", "--max-new-tokens", "24"],
+    out = subprocess.run([sys.executable, str(script), "--model", "demo", "--max-new-tokens", "24", "--prompt", "def f(x):"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("输出逐 token 相同：是") == 3 and "接受率" in out.stdout and "自动" in out.stdout
+    # 没有对话模板：三段代码开头，再加上 --prompt 给的一个
+    assert out.stdout.count("输出逐 token 相同：是") == 4 and out.stdout.count("加速比") == 4
+    assert "MTP 草稿头" in out.stdout and "接受率" in out.stdout and "自动" in out.stdout
 
 
 def test_cli_on_demo():

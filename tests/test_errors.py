@@ -145,3 +145,54 @@ def test_compile_without_a_working_compiler(tiny, monkeypatch):
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.raises(RuntimeError, match="compile=True 需要.*g\\+\\+.*command not found"):
         Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
+
+
+# ---------- 第 1、10 章：坏的文件、坏的配置、坏的 id ----------
+
+
+def test_truncated_safetensors(tiny, tmp_path):
+    """下载中断、只剩一半的分片：报出是哪个文件、该怎么办，而不是 safetensors 的原始错误。"""
+    dst = tmp_path / "cut"
+    shutil.copytree(tiny[0], dst)
+    shard = dst / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model-00001-of-00002\.safetensors 不是完整的 safetensors 文件.*重新下载"):
+        Model.from_pretrained(dst)
+
+
+@pytest.mark.parametrize("text", ['{"model_type": "qwen3_5", "text_config": {', "", "not json"])
+def test_config_not_json(tmp_path, text):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"config\.json 不是合法的 JSON"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,kind", [("hidden_size", "256", "int"), ("num_hidden_layers", 4.0, "int"),
+                                              ("tie_word_embeddings", "yes", "bool"), ("rms_norm_eps", "1e-6", "float"),
+                                              ("hidden_size", -8, None)])
+def test_config_field_of_the_wrong_type(tiny, tmp_path, field, value, kind):
+    """写错类型的字段（比如 "hidden_size": "256"）在读配置时就报出文件与字段，不会走到 torch 里才出错。"""
+    config = json.loads((tiny[0] / "config.json").read_text())
+    config["text_config"][field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = f"应为 {kind}，收到 {value!r}" if kind else f"不能是 {value}"
+    with pytest.raises(ValueError, match=rf"config\.json.*{field} {expected}"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("ids,message", [
+    ("你好", "整数 token id.*str"),  # 文字而不是 id
+    ([["a", "b"]], "整数 token id.*list"),
+    ([[1.5, 2.0]], "整数 token id.*float32.*不会替你取整"),  # 浮点 id 不会被悄悄截断
+    (torch.tensor([[1.0, 2.0]], dtype=torch.float64), "float64.*不会替你取整"),
+    ([[1, 2], [3]], "整数 token id.*list"),  # 参差不齐的行（批处理里这是两个合法的提示词）
+])
+def test_ids_that_are_not_integers(small, ids, message):
+    from qwen import generate, generate_batch
+
+    for call in (lambda: small(ids), lambda: generate(small, ids, 3)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    if not isinstance(ids, str) and len(ids[0]) == 2 and len(ids[-1]) == 2:  # 批处理的每个提示词同样检查
+        with pytest.raises(ValueError, match="整数 token id"):
+            generate_batch(small, list(ids), 3)

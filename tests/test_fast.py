@@ -1,0 +1,229 @@
+"""附录 qwen.fast：每条快路径给出与普通路径相同的结果（float32 下 logits 差在舍入之内、token 逐个相同）。"""
+
+import pytest
+import torch
+
+from qwen import Model, State
+from qwen.deltanet import recurrent_gated_delta_rule
+from qwen.fast.layers import recurrent_in_place
+from qwen.fast.linear import BLOCK, BlockedLinear, PackedLinear, compile_matvec, from_blocks, matvec_blocks, to_blocks
+from qwen.fast.rows import FileEmbedding, RowReader
+from test_chunk import inputs
+
+LENGTHS = [1, 2, 63, 64, 65, 130]
+
+
+def prompt(vocab, T, seed=0):
+    return torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    """普通路径（第 10 章，不变换）：对照。"""
+    return Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)
+
+
+@pytest.fixture(scope="module")
+def packed_model(tiny):
+    """默认加载：矩阵打包成 oneDNN 布局（累加顺序不同，差在 float32 舍入的量级）。"""
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.gate_up, PackedLinear) and not hasattr(mlp, "up_proj")  # gate、up 拼成一个打包的矩阵
+    assert isinstance(mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    assert isinstance(model.embed_tokens, FileEmbedding)  # 嵌入表留在文件里，按行读
+    return model
+
+
+
+
+@pytest.fixture(scope="module")
+def compiled_model(tiny):
+    """compile=True：分块布局、编译的 matvec（1～8 行），每层处理 1、2 个或一整段 token 时整层编译（第 1、9、10 章）。"""
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.gate_up, BlockedLinear) and isinstance(mlp.down_proj, BlockedLinear)
+    assert isinstance(model.lm_head, BlockedLinear) and isinstance(model.embed_tokens, FileEmbedding)
+    assert all(layer.compiled is not None for layer in model.layers)
+    return model
+
+
+FAST_LAYOUTS = ["packed_model", "compiled_model"]
+
+
+@pytest.mark.parametrize("which", FAST_LAYOUTS)
+@pytest.mark.parametrize("T", LENGTHS + [8, 9, 32, 33])  # 分块布局：8 行以内编译的 matvec 一次乘完，9～32 行每 8 行一段，33 行起拼回普通布局
+def test_fast_layout_logits_match_transformers(tiny, request, which, T):
+    model = request.getfixturevalue(which)
+    ids = prompt(model.cfg.vocab_size, T, seed=T)
+    with torch.no_grad():
+        ref = tiny[1](ids).logits
+        ours = model(ids)
+    assert (ours - ref).abs().max().item() <= 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("which", FAST_LAYOUTS)
+@pytest.mark.parametrize("step", [1, 2, 3, 4])
+def test_fast_layout_incremental_equals_one_shot(tiny_model, request, which, step):
+    """一次喂 1～4 个 token（解码、验证草稿），与普通布局一次性前向一致。"""
+    model = request.getfixturevalue(which)
+    ids = prompt(512, 40, seed=step)
+    with torch.no_grad():
+        full = tiny_model(ids)
+        state = State(model)
+        parts = [model(ids[:, :30], state)]
+        parts += [model(ids[:, i : i + step], state) for i in range(30, 40, step)]
+    assert (torch.cat(parts, 1) - full).abs().max().item() <= 1e-3
+
+
+
+
+def test_compiled_decode_does_not_recompile(compiled_model):
+    """compile=True：编译的层只按长度特化。KV 缓存扩容（第 256 个位置起）、卷积窗口、位置每步都变，都不引起重新编译
+    （注意力在 Attention.attend 处断开，第 6、9 章）；否则每次重新编译要几秒。"""
+    from torch._dynamo.utils import counters
+
+    from qwen.sample import generate
+
+    generate(compiled_model, prompt(512, 7, seed=1), 4)  # 预热：7 行的 matvec（预填充）与解码一个 token 的各层
+    before = counters["stats"]["unique_graphs"]
+    out = generate(compiled_model, prompt(512, 7, seed=2), 300)  # 越过 KV 缓存的第一次扩容
+    assert len(out) == 300
+    assert counters["stats"]["unique_graphs"] == before
+
+
+
+
+@pytest.mark.parametrize("which,tol", [("tiny_model", 1e-4), ("compiled_model", 1e-3)])
+def test_long_prompt_is_fed_in_pieces(tiny_model, request, which, tol):
+    """带状态时长于一段（model.piece）的输入分段喂进去（第 10 章）：logits 与普通布局无状态的一次性前向相同。
+    compile=True 时两整段走编译的层（第一段从空状态开始，第二段接着它的状态），剩下的 70 个 token 走普通路径。"""
+    from qwen.fast.layers import COMPILED_PIECE
+    from qwen.model import PREFILL_PIECE
+
+    model = request.getfixturevalue(which)
+    assert model.piece == (COMPILED_PIECE if which == "compiled_model" else PREFILL_PIECE)
+    T = 2 * model.piece + 70
+    ids = prompt(512, T, seed=11)
+    with torch.no_grad():
+        full = tiny_model(ids)
+        state = State(model)
+        pieces = model(ids, state)
+    assert state.pos == T and state.layers[3].length == T  # 第 4 层是注意力层：KV 缓存有全部位置
+    assert (pieces - full).abs().max().item() <= tol
+
+
+
+
+def test_bfloat16_greedy_agrees_with_float32(widths08b):
+    path, _ = widths08b
+    m32 = Model.from_pretrained(path, dtype=torch.float32, pack=False)
+    m16 = Model.from_pretrained(path, dtype=torch.bfloat16)
+    assert m16.layers[0].linear_attn.out_proj.dtype == torch.bfloat16
+    assert m16.layers[0].linear_attn.A_log.dtype == torch.float32
+    ids = prompt(m32.cfg.vocab_size, 64, seed=3)
+    state = State(m16)
+    with torch.no_grad():
+        a = m32(ids).argmax(-1)
+        b = m16(ids, state).argmax(-1)
+    assert all(s.S.dtype == torch.float32 for s in state.layers if hasattr(s, "S"))
+    agree = (a == b).float().mean().item()
+    assert agree >= 0.95, agree
+
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_reader_matches_safetensors(tmp_path, dtype):
+    """RowReader 按偏移从文件里读出的行，与 safetensors 读出的整个张量逐位相同；其他 dtype 照样转换。"""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+
+    table = torch.randn(300, 24).to(dtype)
+    save_file({"a.bias": torch.randn(7), "b.table": table, "c": torch.randn(3, 5)}, str(tmp_path / "t.safetensors"))
+    with safe_open(tmp_path / "t.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("b.table"), table)
+    rows = RowReader(tmp_path / "t.safetensors", "b.table")
+    ids = torch.tensor([[0, 299, 7], [7, 7, 150]])
+    assert rows.shape == (300, 24) and rows.dtype == dtype
+    assert torch.equal(rows[ids], table[ids])
+    assert torch.equal(rows.head(10), table[:10])
+    as32 = RowReader(tmp_path / "t.safetensors", "b.table", torch.float32)
+    assert as32[ids].dtype == torch.float32 and torch.equal(as32[ids], table[ids].float())
+    with pytest.raises(ValueError, match="二维"):
+        RowReader(tmp_path / "t.safetensors", "a.bias")
+
+
+def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
+    """打包后嵌入表不在内存里：查表从文件读出的行与普通模型的嵌入逐位相同。"""
+    packed = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    assert not hasattr(packed.embed_tokens, "weight") and not hasattr(packed.lm_head, "weight")
+    ids = prompt(packed.cfg.vocab_size, 9, seed=5)
+    assert torch.equal(packed.embed_tokens(ids), tiny_model.embed_tokens(ids))
+
+
+# ---------- compile=True：分块布局与编译的 matvec ----------
+
+
+@pytest.mark.parametrize("out", [32, 45, 70])
+def test_blocks_round_trip_and_eager_matvec(out):
+    """to_blocks / from_blocks 互逆（out 不是 32 的倍数时补零行）；不编译的 matvec_blocks 与 F.linear 一致。"""
+    w = torch.randn(out, 24, generator=torch.Generator().manual_seed(out))
+    blocks = to_blocks(w)
+    assert blocks.shape == (-(-out // BLOCK), 24, BLOCK)
+    assert torch.equal(blocks[0, :, 1], w[1])  # 第 0 块第 1 列就是第 1 个输出的权重
+    assert torch.equal(from_blocks(blocks, out), w)
+    x = torch.randn(3, 24)
+    y = matvec_blocks(x, blocks)
+    assert y.shape == (3, blocks.shape[0] * BLOCK)
+    assert torch.allclose(y[:, :out], x @ w.T, atol=1e-5) and not y[:, out:].any()
+    view = torch.randn(5, 30)[1:4, 6:]  # 不连续、有偏移的视图（像 h[:, -1:] 那样）：matvec 开头的 as_strided 不能弄丢偏移与步长
+    assert torch.allclose(matvec_blocks(view, blocks)[:, :out], view @ w.T, atol=1e-5)
+
+
+def test_compiled_bfloat16_matvec_matches_linear():
+    """bfloat16 的分块 matvec（编译的）与 F.linear 差在 bfloat16 舍入之内，1～8 行都是。"""
+    kernel = compile_matvec(torch.bfloat16)
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for rows in (1, 2, 3, 4, 8):
+        base = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        for x in (base, torch.cat([base, base], 1)[:, 256:]):  # 连续的；有偏移、步长 512 的视图
+            ref = x.float() @ w.float().T
+            got = kernel(x, to_blocks(w)).float()
+            assert ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
+
+
+
+# ---------- 就地更新的 DeltaNet 递推 ----------
+
+
+@pytest.mark.parametrize("T", [1, 2, 3])
+@pytest.mark.parametrize("keep_all", [False, True])
+def test_recurrent_in_place_equals_the_chapter(T, keep_all):
+    """重排成只读一遍 S 的递推与第 7 章的公式结果相同；推理时就地更新传入的 S。keep_all 时每个位置之后的 S 各是一份：
+    只有第一步写进传入的 S（投机解码至少留下第一个 token，S₀ 用不着）。"""
+    q, k, v, g, beta, S0 = inputs(T, seed=T)
+    o1, S1, p1 = recurrent_gated_delta_rule(q, k, v, g, beta, S0, keep_all=keep_all)
+    with torch.inference_mode():
+        o2, S2, p2 = recurrent_in_place(q, k, v, g, beta, S0, keep_all=keep_all)
+    assert (o1 - o2).abs().max() <= 1e-5 and (S1 - S2).abs().max() <= 1e-5
+    if keep_all:
+        assert len(p2) == T and all((a - b).abs().max() <= 1e-5 for a, b in zip(p1, p2))
+        assert len({s.data_ptr() for s in p2}) == T  # 后面的位置没有覆盖前面的
+        assert p2[0].data_ptr() == S0.data_ptr()  # 第一步就地
+    else:
+        assert S2.data_ptr() == S0.data_ptr()  # 真的就地：返回的就是传入的那块内存
+
+
+def test_recurrent_in_place_is_differentiable():
+    """求导时不就地改 S（反向传播要用每一步的旧 S）：梯度与第 7 章的递推相同，传入的 S 不变。"""
+    q, k, v, g, beta, S0 = inputs(3)
+    before, grads = S0.clone(), []
+    for rule in (recurrent_gated_delta_rule, recurrent_in_place):
+        kk, vv = k.clone().requires_grad_(True), v.clone().requires_grad_(True)
+        o, S, _ = rule(q, kk, vv, g, beta, S0)
+        (o.sum() + S.sum()).backward()
+        grads.append(torch.cat([kk.grad.flatten(), vv.grad.flatten()]))
+    assert torch.equal(S0, before)
+    assert (grads[0] - grads[1]).abs().max().item() <= 1e-4
