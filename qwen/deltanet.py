@@ -65,20 +65,20 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False):
     return torch.cat(outs, dim=2), S, (states if keep_all else None)
 
 
-def state_after(parts, t: int) -> torch.Tensor:
+def state_after(parts, t: int, in_place: bool = False) -> torch.Tensor:
     """第 t 个位置（从 0 数）之后的记忆，形状 [B, H, Dk, Dv]。逐 token 递推记下的是每个位置之后的 S，直接取；
-    分块形式（第 8 章）只算出块末的 S，记下的是 (S₀, G, K, U)，由它重建：
-
-    把递推展开：每一步先整体衰减，再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
+    分块形式（第 8 章）只算出块末的 S，记下的是 (S₀, G, K, U)，由它重建。把递推展开：每一步先整体衰减，
+    再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
         S_t = e^{G_t} S₀ + Σ_{j≤t} e^{G_t − G_j} k_j ⊗ u_j,     G_t = g₀ + … + g_t
-    投机解码拒绝草稿时，只需按这个式子算出被接受的最后一个位置之后的那一份，不必重算前向。
+    投机解码拒绝草稿时按它算出最后一个被接受的位置之后的那份，不必重算前向；in_place=True：调用者不再要 S₀，结果写进它。
     """
     if isinstance(parts, list):  # 逐 token 递推记下的就是每个位置之后的 S
         return parts[t]
     S0, G, k, U = parts  # S₀ [B, H, Dk, Dv]；G [B, H, T]；k [B, H, T, Dk]；U [B, H, T, Dv]
     w = (G[:, :, t, None] - G[:, :, : t + 1]).exp()  # [B, H, t+1]：e^{G_t − G_j}
     kw = (k[:, :, : t + 1] * w[..., None]).transpose(-1, -2)  # [B, H, Dk, t+1]：e^{G_t − G_j} k_j
-    return G[:, :, t, None, None].exp() * S0 + kw @ U[:, :, : t + 1]  # e^{G_t} S₀ + Σ_j e^{G_t − G_j} k_j ⊗ u_j
+    S = S0.mul_(G[:, :, t, None, None].exp()) if in_place else G[:, :, t, None, None].exp() * S0  # e^{G_t} S₀
+    return S.view(-1, *S.shape[2:]).baddbmm_(kw.flatten(0, 1), U[:, :, : t + 1].flatten(0, 1)).view_as(S)  # + Σ_j …
 
 
 class GatedDeltaNet(nn.Module):

@@ -25,3 +25,11 @@ def widths08b(tmp_path_factory):
 def lively(tmp_path_factory):
     """(路径, transformers 模型)：写回残差流的投影尺度为 1，贪心续写多样，用来测生成与投机解码。"""
     return make_checkpoint(tmp_path_factory.mktemp("lively"), seed=3, out_scale=1.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny):
+    """各章的普通模型（pack=False，不变换）：逐位与参考实现比，也是快路径的对照。"""
+    from qwen import Model
+
+    return Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)

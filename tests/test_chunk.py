@@ -39,6 +39,10 @@ def test_state_after_every_position(rule, T):
         _, S_t, _ = recurrent_gated_delta_rule(q[:, :, :t], k[:, :, :t], v[:, :, :t], g[:, :, :t], beta[:, :, :t], S0)
         assert (state_after(parts, t - 1) - S_t).abs().max().item() <= 1e-4
     assert (state_after(parts, T - 1) - S).abs().max().item() <= 1e-4
+    if rule is chunk_gated_delta_rule:  # 就地重建：结果一样，写进 S₀ 的内存（提交时旧的 S₀ 不再要）
+        expected, S0_memory = state_after(parts, T // 2), parts[0].data_ptr()
+        got = state_after(parts, T // 2, in_place=True)
+        assert torch.equal(got, expected) and got.data_ptr() == S0_memory
 
 
 def test_chunk_keep_all_needs_one_chunk():

@@ -8,19 +8,11 @@ from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import recurrent_in_place
 from qwen.fast.linear import BLOCK, BlockedLinear, PackedLinear, compile_matvec, from_blocks, matvec_blocks, to_blocks
 from qwen.fast.rows import FileEmbedding, RowReader
+
+from checkpoints import prompt
 from test_chunk import inputs
 
 LENGTHS = [1, 2, 63, 64, 65, 130]
-
-
-def prompt(vocab, T, seed=0):
-    return torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny):
-    """普通路径（第 10 章，不变换）：对照。"""
-    return Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""主模型：与 transformers 的 logits 对齐、增量解码、参数量、bfloat16。"""
+"""主模型（各章的普通路径）：与 transformers 的 logits 对齐、增量解码、参数量、配置与读取。"""
 
 import pytest
 import torch
@@ -6,17 +6,9 @@ import torch
 from qwen import Config, Model, State, load_config, load_weights
 from qwen.layer import RECURRENT_MAX_T
 
+from checkpoints import prompt
+
 LENGTHS = [1, 2, 63, 64, 65, 130]
-
-
-def prompt(vocab, T, seed=0):
-    return torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny):
-    """普通布局（不打包）：逐位与参考实现比，容差 1e-4。"""
-    return Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)
 
 
 @pytest.mark.parametrize("T", LENGTHS)
