@@ -2,13 +2,12 @@
 
 import argparse
 import sys
-import time
 
 import torch
 
 from .chat import Chat
+from .conversation import Conversation
 from .model import Model
-from .sample import check_sampling, stream
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -19,36 +18,33 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="检查点文件夹（默认：QWEN_MODEL、本地缓存或下载 Qwen/Qwen3.5-0.8B）")
     p.add_argument("--system", default=None, help="系统提示词")
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 为贪心")
+    p.add_argument("--temperature", type=float, default=None, help="0 为贪心（默认取检查点 generation_config.json 的设置）")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None, help="出现过的 token 的 logit 除以它（1 为不罚）")
+    p.add_argument("--presence-penalty", type=float, default=None, help="生成过的 token 的 logit 减去它（0 为不罚）")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
+    p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
     p.add_argument("--compile", action="store_true", help="解码更快的分块布局 + torch.compile（要 C++ 编译器；第一次要编译约半分钟，之后每次启动多几秒）")
     return p.parse_args(argv)
 
 
-def answer(chat, messages, args) -> str:
-    """流式打印一轮回答，结尾打印速度；返回完整文字。"""
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    counted = []
-
-    def counting(tokens):
-        for t in tokens:
-            counted.append(t)
-            yield t
-
-    ids = chat.encode(chat.prompt(messages, args.think))
-    start = time.perf_counter()
+def answer(conversation, messages, args) -> str:
+    """流式打印一轮回答，结尾打印 token 数、秒数、速度与草稿的接受率；返回完整文字。"""
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty)
     pieces = []
-    for piece in chat.stream_text(counting(stream(chat.model, ids, args.max_new_tokens, chat.stop, **sampling))):
+    for piece in conversation.reply(messages, args.think, args.max_new_tokens, seed=args.seed, **sampling):
         pieces.append(piece)
         print(piece, end="", flush=True)
-    seconds = time.perf_counter() - start
-    print(f"\n[{len(counted)} 个 token，{seconds:.1f} 秒，{len(counted) / max(seconds, 1e-9):.1f} token/s]", file=sys.stderr)
+    st = conversation.stats
+    accepted = "" if st["drafted"] is None else (f"，草稿接受率 {st['hits'] / st['drafted']:.0%}（{st['hits']}/{st['drafted']}）"
+                                                 if st["drafted"] else "，草稿接受率 —（这一轮没有起草）")
+    print(f"\n[{st['tokens']} 个 token，{st['seconds']:.1f} 秒，{st['tokens'] / max(st['seconds'], 1e-9):.1f} token/s{accepted}]",
+          file=sys.stderr)
     return "".join(pieces)
 
 
@@ -58,13 +54,15 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     try:
         model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile)
-        chat = Chat(model)
+        conversation = Conversation(Chat(model), mtp=not args.no_mtp)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
+    if not args.no_mtp and conversation.mtp is None:
+        print("（检查点没有 MTP 草稿头：用普通解码）", file=sys.stderr)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     try:
         if args.prompt is not None:
-            answer(chat, messages + [{"role": "user", "content": args.prompt}], args)
+            answer(conversation, messages + [{"role": "user", "content": args.prompt}], args)
             return
         print("多轮对话：输入内容后回车；空行或 Ctrl-D 退出，/reset 清空历史。", file=sys.stderr)
         while True:
@@ -76,10 +74,11 @@ def main(argv=None):
                 break
             if text == "/reset":
                 messages = messages[:1] if args.system else []
+                conversation.reset()
                 continue
             messages.append({"role": "user", "content": text})
             print("Qwen：", end="", flush=True)
-            messages.append({"role": "assistant", "content": answer(chat, messages, args)})
+            messages.append({"role": "assistant", "content": answer(conversation, messages, args)})
     except ValueError as e:
         sys.exit(f"错误：{e}")
 

@@ -14,13 +14,14 @@
 import torch
 
 from .cache import State
-from .sample import check_sampling, make_generator, pick
+from .sample import Penalty, check_sampling, make_generator, pick
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0, top_k=None, top_p=None, seed=None):
-    """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。"""
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0, top_k=None, top_p=None, seed=None,
+                   repetition_penalty=1.0, presence_penalty=0.0):
+    """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。每行各罚各的重复。"""
+    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty)
     if not len(prompts):
         raise ValueError("prompts 不能为空，每个提示词至少要有一个 token")
     prompts = [model.check_ids(p, None).flatten() for p in prompts]  # 每个提示词照常检查（空的、非整数的都报错）
@@ -39,15 +40,17 @@ def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0,
     stop = set(stop)
     gen = make_generator(seed, device)
     state = State(model, valid)
+    penalty = Penalty(prompts, model.cfg.vocab_size, repetition_penalty, presence_penalty)  # 只算真实 token，不算填充
     logits = model(ids, state, last=True)[:, -1]  # [B, V]
     done = [False] * B
     for i in range(max_new_tokens):
-        tokens = pick(logits, temperature, top_k, top_p, gen)  # [B]
+        tokens = pick(penalty(logits), temperature, top_k, top_p, gen)  # [B]
         for b, t in enumerate(tokens.tolist()):
             if not done[b]:
                 outs[b].append(t)
                 done[b] = t in stop
         if all(done) or i == max_new_tokens - 1:
             break
+        penalty.add(tokens)
         logits = model(tokens[:, None], state)[:, -1]  # 已停的行照算，结果丢弃：不影响别的行
     return outs

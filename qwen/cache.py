@@ -11,16 +11,20 @@
 批处理时各行长度不同，我们在左边补齐（左填充）：valid 标出哪些位置是真实 token，
 pad 是每行补了几个，用来让每行的 RoPE 位置从它自己的第一个真实 token 数起。
 
-状态也可以存档与回退（snapshot / rollback）：拷下 DeltaNet 层那几块固定大小的状态，注意力的 KV 缓存只需
-记住长度、回退时截断。第 14 章的投机解码用它撤销被拒绝的草稿（最简单的做法）。
+状态可以复制（copy_state，多轮对话留下读完历史的那一份），也可以撤销最近喂进去的 token（第 14 章的投机解码
+要撤销被拒绝的草稿），两种做法：
+- 存档与回退（snapshot / rollback）：拷下 DeltaNet 层那几块固定大小的状态，注意力的 KV 缓存只需记住长度、回退时截断；
+  之后要把该留下的 token 重新喂一遍。
+- 记下历史再提交（keep_history / commit）：前向顺手记下每个位置之后的记忆怎么得到（第 7 章的 state_after），
+  提交时只保留前几个 token 的效果，不必重算。
 """
 
 import torch
 
 from .attention import AttentionState
-from .deltanet import DeltaNetState
+from .deltanet import DeltaNetState, state_after
 
-__all__ = ["State", "AttentionState", "DeltaNetState", "snapshot", "rollback"]
+__all__ = ["State", "AttentionState", "DeltaNetState", "copy_state", "snapshot", "rollback", "keep_history", "commit"]
 
 
 class State:
@@ -55,3 +59,44 @@ def rollback(state: State, snap) -> None:
             s.truncate(state.pos)
         else:
             s.conv, s.S = kept
+
+
+def copy_state(state):
+    """State（或单独一层的 AttentionState）的一份独立拷贝：之后各喂各的，互不影响。"""
+    if isinstance(state, AttentionState):
+        new = AttentionState()
+        if state.length:
+            new.append(state.k.clone(), state.v.clone())
+        return new
+    new = State.__new__(State)
+    new.pos, new.valid, new.pad, new.layers = state.pos, state.valid, state.pad, []
+    for s in state.layers:
+        if isinstance(s, AttentionState):
+            new.layers.append(copy_state(s))
+        else:
+            new.layers.append(DeltaNetState())
+            new.layers[-1].conv, new.layers[-1].S = s.conv.clone(), s.S.clone()
+    return new
+
+
+def keep_history(state: State) -> None:
+    """让 DeltaNet 层在下一次前向里记下回滚所需的量（完整卷积输入与 state_after 要的量），commit 时清掉。"""
+    for s in state.layers:
+        if not isinstance(s, AttentionState):
+            s.keep_history = True
+
+
+def commit(state: State, start: int, keep: int) -> None:
+    """上一次前向（记了历史）从位置 start 喂了若干 token，只保留前 keep 个的效果，不需要任何重算。
+    DeltaNet：窗口是完整输入里紧接第 keep 个 token 之前的 3 列，S 取第 keep 个位置之后的那份；注意力：截断缓存。"""
+    for s in state.layers:
+        if isinstance(s, AttentionState):
+            s.truncate(start + keep)
+            continue
+        full, parts = s.history  # full [B, 3 + T, C]：窗口从这里切；parts 给 state_after
+        width = s.conv.shape[1]  # 核宽 − 1
+        s.conv = full[:, keep : keep + width].clone(memory_format=torch.contiguous_format)  # 同第 7 章：自己的一份
+        if keep < full.shape[1] - width:  # 有被拒绝的（全部接受时 S 已是前向算到最后的那份）；旧的 S₀ 不再要
+            s.S = state_after(parts, keep - 1, in_place=True)
+        s.keep_history, s.history = False, None
+    state.pos = start + keep

@@ -1,62 +1,100 @@
 """第 13 章 · 对话：分词器、Qwen3.5 的对话格式、流式输出中文。
 
-模型只认 token id。分词器（检查点里的 tokenizer.json，用 `tokenizers` 库读）把文字切成 id，
-再把 id 拼回文字。Qwen 用字节级 BPE：一个 token 是若干字节，一个汉字（UTF-8 三个字节）或 emoji
-（四个字节）可能被切到两三个 token 里。所以流式输出时不能每来一个 token 就解码打印：
-半个汉字会变成替换符 “�”。做法是攒着，等解码结果不再以 “�” 结尾再输出新增的部分。
+模型只认 token id。分词器（检查点里的 tokenizer.json，用 `tokenizers` 库读）把文字切成 id，再把 id 拼回文字。
+Qwen 用字节级 BPE：一个汉字（UTF-8 三个字节）或 emoji（四个字节）可能被切到两三个 token 里，所以流式输出时
+不能每来一个 token 就解码打印（半个汉字会变成替换符 “�”）：攒着，等解码结果不再以 “�” 结尾再输出新增的部分。
 
-对话格式是 ChatML：每轮 `<|im_start|>{角色}\\n{内容}<|im_end|>\\n`，最后以
-`<|im_start|>assistant\\n` 请模型接话。Qwen3.5 有“思考”模式：模型先在 <think>…</think> 里推理。
-0.8B 默认不思考，模板用一个空的 `<think>\\n\\n</think>\\n\\n` 表达；要思考时只开一个 `<think>\\n`。
+对话格式是 ChatML：每轮 `<|im_start|>{角色}\\n{内容}<|im_end|>\\n`，最后以 `<|im_start|>assistant\\n` 请模型接话。
+Qwen3.5 有“思考”模式：模型先在 <think>…</think> 里推理；0.8B 默认不思考，模板用一个空的 `<think>\\n\\n</think>\\n\\n`
+表达。build_prompt 照着发布的对话模板（Jinja）手写：工具的说明放进系统轮，助手的工具调用写成 <tool_call> 块，
+连续的工具结果合进一个用户轮；最后一个用户问题之后的助手轮带上思考（reasoning_content），之前的不带。
 """
 
+import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
-from .sample import stream
-
-ROLES = ("system", "user", "assistant")
-
-
-def strip_thinking(content: str) -> str:
-    """历史里助手回答的思考部分不再放回提示词（与官方模板一致）。"""
-    if "</think>" in content:
-        content = content.split("</think>")[-1].lstrip("\n")
-    return content
+ROLES = ("system", "user", "assistant", "tool")
+# 有工具时系统轮的开头：发布的模板里的英文原文，{tools} 处每行一个工具的 JSON
+TOOLS_PROMPT = (Path(__file__).parent / "tools_prompt.txt").read_text(encoding="utf-8")
 
 
-def build_prompt(messages, enable_thinking: bool = False) -> str:
-    """把 [{"role": ..., "content": ...}, ...] 渲染成 Qwen3.5 的对话提示词。"""
+def text_of(content, i: int) -> str:
+    """消息内容 → 去掉首尾空白的文字。内容可以是字符串、None，或 [{"type": "text", "text": …}, …] 这样的分段列表。"""
+    if isinstance(content, list) and all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in content):
+        content = "".join(c["text"] for c in content)
+    if not isinstance(content, (str, type(None))):
+        raise ValueError(f"第 {i} 条消息的 content 应为字符串或 [{{'type': 'text', 'text': ...}}] 列表（这里不支持图像），"
+                         f"收到 {type(content).__name__}")
+    return (content or "").strip()
+
+
+def tool_call_text(call, first: bool, content: str, i: int) -> str:
+    """助手的一个工具调用 {"name", "arguments": {参数: 值}}（或包在 "function" 里）→ <tool_call> 块。"""
+    call = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        raise ValueError(f"第 {i} 条消息的 tool_calls 里有一个没有 name（函数名）的调用")
+    args = call.get("arguments") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f"第 {i} 条消息的工具调用 {call['name']} 的 arguments 应为 dict（参数名: 值）")
+    out = (("\n\n" if content else "") if first else "\n") + f"<tool_call>\n<function={call['name']}>\n"
+    for name, value in args.items():
+        value = json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else str(value)
+        out += f"<parameter={name}>\n{value}\n</parameter>\n"
+    return out + "</function>\n</tool_call>"
+
+
+def build_prompt(messages, enable_thinking: bool = False, tools=None, add_generation_prompt: bool = True) -> str:
+    """把 [{"role": ..., "content": ...}, ...]（可选 tools：函数说明的列表）渲染成 Qwen3.5 的对话提示词。"""
     if not messages:
         raise ValueError("messages 是空的：至少要有一条用户消息")
-    parts = []
     for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
+        role = m.get("role") if isinstance(m, dict) else m
         if role not in ROLES:
             raise ValueError(f"第 {i} 条消息的角色 {role!r} 未知：应为 {', '.join(ROLES)} 之一")
-        if not isinstance(content, str):
-            raise ValueError(f"第 {i} 条消息的 content 应为字符串")
-        if role == "assistant":
-            content = strip_thinking(content)
-        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
-    parts.append("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n")
+        if role == "system" and i:
+            raise ValueError(f"第 {i} 条消息是 system：系统消息只能是第一条")
+    texts = [text_of(m.get("content"), i) for i, m in enumerate(messages)]
+    queries = [i for i, m in enumerate(messages) if m["role"] == "user"
+               and not (texts[i].startswith("<tool_response>") and texts[i].endswith("</tool_response>"))]
+    if not queries:
+        raise ValueError("messages 里没有用户的问题（只有系统消息、助手回答或工具结果）")
+    last_query, parts = queries[-1], []
+    system = texts[0] if messages[0]["role"] == "system" else None
+    if tools:  # 工具的说明在前，系统提示词（有的话）接在后面
+        listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        system = TOOLS_PROMPT.replace("{tools}", listed) + ("\n\n" + system if system else "")
+    if system is not None:
+        parts.append(f"<|im_start|>system\n{system}<|im_end|>\n")
+    for i, (m, content) in enumerate(zip(messages, texts)):
+        if m["role"] == "user":
+            parts.append(f"<|im_start|>user\n{content}<|im_end|>\n")
+        elif m["role"] == "assistant":
+            reasoning = m.get("reasoning_content")
+            if not isinstance(reasoning, str):  # 没单独给出：从内容里的 <think>…</think> 取
+                before, _, after = content.rpartition("</think>") if "</think>" in content else ("", "", content)
+                reasoning, content = before.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n"), after.lstrip("\n")
+            think = f"<think>\n{reasoning.strip()}\n</think>\n\n" if i > last_query else ""
+            calls = m.get("tool_calls") or []
+            parts.append(f"<|im_start|>assistant\n{think}{content}"
+                         + "".join(tool_call_text(c, j == 0, content.strip(), i) for j, c in enumerate(calls)) + "<|im_end|>\n")
+        elif m["role"] == "tool":  # 连续的工具结果合进同一个用户轮
+            opening = "<|im_start|>user" if i and messages[i - 1]["role"] != "tool" else ""
+            closing = "<|im_end|>\n" if i + 1 == len(messages) or messages[i + 1]["role"] != "tool" else ""
+            parts.append(f"{opening}\n<tool_response>\n{content}\n</tool_response>{closing}")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n" + ("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n"))
     return "".join(parts)
 
 
 class TextStream:
-    """把逐个到来的 token 变成可以安全打印的文字片段。
-
-    只解码最近一段（prefix 之后的 token），所以每步代价与回答长度无关。
-    prefix..read 是已经输出过的 token；新文字 = decode(prefix:) 减去 decode(prefix:read)。
-    """
+    """把逐个到来的 token 变成可以安全打印的文字片段。只解码最近一段（prefix 之后的 token），每步代价与回答长度无关：
+    prefix..read 是已经输出过的 token；新文字 = decode(prefix:) 减去 decode(prefix:read)。"""
 
     def __init__(self, tk):
-        self.tk = tk
-        self.ids = []
-        self.prefix = 0
-        self.read = 0
+        self.tk, self.ids, self.prefix, self.read = tk, [], 0, 0
 
     def put(self, token: int) -> str:
         self.ids.append(token)
@@ -67,8 +105,7 @@ class TextStream:
             return new[len(old) :]
         return ""
 
-    def flush(self) -> str:
-        """结束时输出剩下的（若真的是不完整的字节，也只好原样交出）。"""
+    def flush(self) -> str:  # 结束时输出剩下的（若真的是不完整的字节，也只好原样交出）
         old = self.tk.decode(self.ids[self.prefix : self.read], skip_special_tokens=False)
         new = self.tk.decode(self.ids[self.prefix :], skip_special_tokens=False)
         self.prefix = self.read = len(self.ids)
@@ -76,29 +113,23 @@ class TextStream:
 
 
 class Chat:
-    def __init__(self, model, path=None):
-        from tokenizers import Tokenizer
-
+    def __init__(self, model, path=None, mtp=True):
+        """mtp：回答时用不用第 14 章的投机解码（True：检查点有草稿头就用；False：不用；或直接给一个 MTP）。"""
         path = Path(path if path is not None else getattr(model, "path", "."))
-        file = path / "tokenizer.json"
-        if not file.is_file():
+        if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path} 里没有 tokenizer.json：对话需要检查点自带的分词器文件")
-        self.model = model
-        self.path = path
-        self.tk = Tokenizer.from_file(str(file))
+        self.model, self.path, self.mtp, self.conversation = model, path, mtp, None
+        self.tk = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.stop = [i for i in (self.tk.token_to_id("<|im_end|>"), self.tk.token_to_id("<|endoftext|>")) if i is not None]
-        # 有对话模板的检查点（Qwen3.5 本身）按 ChatML 组织提示词；没有模板的（比如只学过代码的 demo 模型）
-        # 不懂对话格式，提示词原样喂给它，让它续写
+        # 有对话模板的检查点按 ChatML 组织提示词；没有的（比如只学过代码的 demo 模型）提示词原样喂给它续写
         config = path / "tokenizer_config.json"
         self.templated = (path / "chat_template.jinja").is_file() or (
             config.is_file() and "chat_template" in config.read_text(encoding="utf-8"))
 
-    def prompt(self, messages, enable_thinking: bool = False) -> str:
+    def prompt(self, messages, enable_thinking: bool = False, tools=None) -> str:
         """对话消息 → 提示词文字：有模板时用 build_prompt，否则把各条消息的内容原样接起来。"""
         if self.templated:
-            return build_prompt(messages, enable_thinking)
-        if not messages:
-            raise ValueError("messages 是空的：至少要有一条用户消息")
+            return build_prompt(messages, enable_thinking, tools)
         return "".join(m["content"] for m in messages if m.get("role") != "system")
 
     def encode(self, text: str) -> torch.Tensor:
@@ -117,14 +148,13 @@ class Chat:
         for t in tokens:
             if t in self.stop:
                 break
-            piece = out.put(t)
-            if piece:
-                yield piece
-        rest = out.flush()
-        if rest:
-            yield rest
+            yield from filter(None, [out.put(t)])  # 还是半个字符时这一步什么也不产出
+        yield from filter(None, [out.flush()])
 
     def reply(self, messages, enable_thinking=False, max_new_tokens=512, **sampling):
-        """对一组消息流式产出助手的回答（文字片段）。"""
-        ids = self.encode(self.prompt(messages, enable_thinking))
-        return self.stream_text(stream(self.model, ids, max_new_tokens, self.stop, **sampling))
+        """流式产出助手的回答（文字片段）。不重读历史、草稿头、采样默认值：附录 conversation.py（各次 reply 共用一个）。"""
+        if self.conversation is None:
+            from .conversation import Conversation  # 附录
+
+            self.conversation = Conversation(self, self.mtp)
+        return self.conversation.reply(messages, enable_thinking, max_new_tokens, **sampling)

@@ -10,9 +10,9 @@ token。贪心时输出与普通解码逐 token 相同。采样时用拒绝采�
 
 回滚是难点：被拒绝的草稿已经改过每个 DeltaNet 层的记忆 S 和卷积窗口，它们无法“减掉”一个 token。
 - 简单的做法（第 11 章的 snapshot / rollback）：验证前存档，有拒绝时回退，再把收下的 token 重新喂一遍；
-- 我们的做法（commit，思路与 vLLM、SGLang 相同）：验证的前向顺手记下重建记忆要的量（递推时是每个位置之后的 S，
-  分块形式是 (S₀, G, K, U)），提交时由第 7 章的 state_after 取出最后一个被接受的位置之后的 S；卷积窗口从完整输入
-  里切出，注意力的 KV 缓存截断即可。拒绝不再多一次前向。
+- 我们的做法（第 11 章的 keep_history / commit，思路与 vLLM、SGLang 相同）：验证的前向顺手记下重建记忆要的量
+  （递推时是每个位置之后的 S，分块形式是 (S₀, G, K, U)），提交时由第 7 章的 state_after 取出最后一个被接受的位置
+  之后的 S；卷积窗口从完整输入里切出，注意力的 KV 缓存截断即可。拒绝不再多一次前向。
 """
 
 import time
@@ -22,13 +22,12 @@ import torch
 from torch import nn
 
 from .attention import AttentionState
-from .cache import State, rollback, snapshot
-from .deltanet import state_after
+from .cache import State, commit, keep_history, rollback, snapshot
 from .layer import DecoderLayer
 from .model import load_pretrained
 from .norm import RMSNorm
 from .rope import rope_tables
-from .sample import check_sampling, choose, make_generator, probabilities
+from .sample import Penalty, check_sampling, choose, make_generator, probabilities
 from .weights import find_model
 
 DRAFT_VOCAB = 32768  # 起草只给词表前这么多个 token 打分：BPE 的 id 按合并顺序编号，靠前的是最常见的片段
@@ -58,14 +57,15 @@ class MTP(nn.Module):
         return self.norm(self.layers[0](x.float(), cos, sin, state)).to(dtype)
 
     def draft(self, model, tokens, hidden, start: int, k: int, state: AttentionState, temperature=0.0,
-              top_k=None, top_p=None, gen=None):
+              top_k=None, top_p=None, gen=None, penalty=None):
         """起草 k 个 token → (草稿列表, 每个草稿的分布 q 或 None)。tokens、hidden [1, T]、[1, T, h]：草稿头还没见过的
         (e_{t+1}, h_t) 对，从位置 start 起。之后草稿头吃自己的输出（它的 x 当作下一步的 h），再猜下一个。"""
         state.truncate(start)  # 丢掉上一轮递归起草留下的推测条目
         x = self(model.embed_tokens(tokens), hidden, start, state)[:, -1:]  # [1, 1, h]
         drafts, qs = [], []
         for i in range(k):
-            d, q = choose(self.draft_logits(model, x)[0, -1], temperature, top_k, top_p, gen)
+            logits = self.draft_logits(model, x)[0, -1:]  # [1, V 或 draft_vocab]
+            d, q = choose((penalty(logits, drafts) if penalty else logits)[0], temperature, top_k, top_p, gen)
             if q is not None:  # 子词表上的分布补成全词表
                 q = torch.cat([q, q.new_zeros(model.cfg.vocab_size - q.shape[0])])
             drafts, qs = drafts + [d], qs + [q]
@@ -92,29 +92,6 @@ class MTP(nn.Module):
 
 
 
-def keep_history(state: State) -> None:
-    """让 DeltaNet 层在下一次前向里记下回滚所需的量（完整卷积输入与 state_after 要的量），commit 时清掉。"""
-    for s in state.layers:
-        if not isinstance(s, AttentionState):
-            s.keep_history = True
-
-
-def commit(state: State, start: int, keep: int) -> None:
-    """我们的做法：上一次前向从位置 start 喂了若干 token，只保留前 keep 个的效果，不需要任何重算。
-    DeltaNet：窗口是完整输入里紧接第 keep 个 token 之前的 3 列，S 取第 keep 个位置之后的那份；注意力：截断缓存。"""
-    for s in state.layers:
-        if isinstance(s, AttentionState):
-            s.truncate(start + keep)
-            continue
-        full, parts = s.history  # full [B, 3 + T, C]：窗口从这里切；parts 给 state_after
-        width = s.conv.shape[1]  # 核宽 − 1
-        s.conv = full[:, keep : keep + width].clone(memory_format=torch.contiguous_format)  # 同第 7 章：自己的一份
-        if keep < full.shape[1] - width:  # 有被拒绝的（全部接受时 S 已是前向算到最后的那份）
-            s.S = state_after(parts, keep - 1)
-        s.keep_history, s.history = False, None
-    state.pos = start + keep
-
-
 @dataclass
 class SpecResult:
     """投机解码的详细结果。tokens、rounds、hits 即 generate_mtp 返回的三元组。"""
@@ -134,18 +111,20 @@ class SpecResult:
         return self.hits / self.drafted if self.drafted else 0.0
 
 
-def verify(drafts, qs, logits, temperature, top_k, top_p, gen):
-    """主模型的 logits [k+1, V] 检验 k 个草稿，返回 (接受数 n, 本轮的 token：d₁…d_n 加一个主模型的 token)。"""
+def verify(drafts, qs, logits, temperature, top_k, top_p, gen, penalty):
+    """主模型的 logits [k+1, V] 检验 k 个草稿，返回 (接受数 n, 本轮的 token：d₁…d_n 加一个主模型的 token)。
+    第 i 个位置罚重复时，它前面的 i 个草稿也算已经生成过（与普通解码走到这里时一样）。"""
     for i, d in enumerate(drafts):
+        row = penalty(logits[i : i + 1], drafts[:i])[0]
         if temperature == 0:  # 贪心：草稿必须正是主模型的 argmax
-            if d != (target := int(logits[i].argmax())):
+            if d != (target := int(row.argmax())):
                 return i, drafts[:i] + [target]
             continue
-        p, q = probabilities(logits[i], temperature, top_k, top_p), qs[i]
+        p, q = probabilities(row, temperature, top_k, top_p), qs[i]
         if torch.rand((), generator=gen) >= min(1.0, float(p[d] / q[d])):  # 以 min(1, p/q) 接受
             residual = (p - q).clamp(min=0)  # 拒绝：从 max(0, p − q) 里重抽
             return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
-    bonus, _ = choose(logits[len(drafts)], temperature, top_k, top_p, gen)  # 全部接受：主模型再送一个
+    bonus, _ = choose(penalty(logits[-1:], drafts)[0], temperature, top_k, top_p, gen)  # 全部接受：主模型再送一个
     return len(drafts), drafts + [bonus]
 
 
@@ -156,29 +135,49 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
     return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
 
 
-@torch.inference_mode()
 def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
-              top_p=None, seed=None, recompute: bool = False) -> SpecResult:
+              top_p=None, seed=None, recompute: bool = False, **more) -> SpecResult:
     """投机解码，返回 SpecResult。draft_tokens：每轮起草几个，None（默认）时按接受率自动挑（best_draft_count）。
-    recompute=True 用简单的回滚（快照 + 重算），用于对照。"""
+    recompute=True 用简单的回滚（快照 + 重算），用于对照。more：stream_mtp 的其余参数（罚重复、接着已有的状态）。"""
+    r = SpecResult()
+    for _ in stream_mtp(model, mtp, ids, max_new_tokens, stop, draft_tokens, temperature, top_k, top_p, seed,
+                        recompute=recompute, result=r, **more):
+        pass
+    return r
+
+
+@torch.inference_mode()
+def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
+               top_p=None, seed=None, repetition_penalty=1.0, presence_penalty=0.0, recompute=False, result=None,
+               state=None, mtp_state=None, hidden=None, history=()):
+    """投机解码，逐轮产出这一轮的新 token（列表：被接受的草稿连同主模型补的那个），细节记进 result（SpecResult）。
+    接着已有的对话时：state 已读过 history 这些 token，mtp_state 是草稿头读过它们的缓存，hidden [1, 1, h] 是最后一个位置
+    的隐藏状态；ids 是新来的 token。"""
     t0 = time.perf_counter()
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
         raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
-    ids = model.check_ids(ids, None)
+    ids = model.check_ids(ids, state)
     if ids.shape[0] != 1:
         raise ValueError("投机解码一次处理一个提示词")
-    r = SpecResult(accepted_at=[0] * (draft_tokens or MAX_DRAFTS), tried_at=[0] * (draft_tokens or MAX_DRAFTS))
+    r = result if result is not None else SpecResult()
+    r.accepted_at, r.tried_at = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS)
     if max_new_tokens == 0:
-        return r
+        return
     stop, gen, dev = set(stop), make_generator(seed, ids.device), ids.device
-    r.state, mtp_state, idle = State(model), AttentionState(), 0  # idle：连续几轮没有起草
-    hidden = model.hidden(ids, r.state)  # 预填充；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
-    last, _ = choose(model.lm_head(hidden[0, -1]).float(), temperature, top_k, top_p, gen)
+    r.state, mtp_state, idle = state or State(model), mtp_state or AttentionState(), 0  # idle：连续几轮没有起草
+    seen = torch.cat([torch.as_tensor(history, dtype=torch.long, device=dev), ids[0]])
+    penalty = Penalty([seen], model.cfg.vocab_size, repetition_penalty, presence_penalty)
+    pend_start = r.state.pos - 1 if hidden is not None else 0
+    h = model.hidden(ids, r.state)  # 预填充；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
+    last, _ = choose(penalty(model.lm_head(h[:, -1]).float())[0], temperature, top_k, top_p, gen)
     r.tokens, r.forwards, r.prefill_seconds = [last], 1, time.perf_counter() - t0
-    # 草稿头还没见过的 (h_t, e_{t+1}) 对，从位置 pend_start 起：先是提示词的每个位置
-    pend_hidden, pend_tokens, pend_start = hidden, torch.cat([ids[:, 1:], torch.tensor([[last]], device=dev)], 1), 0
+    yield [last]
+    # 草稿头还没见过的 (h_t, e_{t+1}) 对，从位置 pend_start 起：先是提示词的每个位置（接着已有的对话时从它的最后一个起）
+    pend_hidden = h if hidden is None else torch.cat([hidden, h], 1)
+    pend_tokens = torch.cat([ids[:, 1:] if hidden is None else ids, torch.tensor([[last]], device=dev)], 1)
 
+    penalty.add([last])
     while last not in stop and len(r.tokens) < max_new_tokens:
         k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], mtp.draft_cost)
         k = 1 if k == 0 and idle >= PROBE_EVERY else k  # 太久没起草：试一个，让接受率的估计跟上文本的变化
@@ -186,7 +185,8 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
         idle = idle + 1 if k == 0 else 0
         drafts, qs = [], []
         if k > 0:  # 1. 起草：草稿头吃掉所有待送的对，之后从这一轮的开始重新攒
-            drafts, qs = mtp.draft(model, pend_tokens, pend_hidden, pend_start, k, mtp_state, temperature, top_k, top_p, gen)
+            drafts, qs = mtp.draft(model, pend_tokens, pend_hidden, pend_start, k, mtp_state, temperature, top_k, top_p,
+                                   gen, penalty)
             pend_hidden, pend_tokens, pend_start = pend_hidden[:, :0], pend_tokens[:, :0], r.state.pos
 
         # 2. 验证：[last, d₁, …, d_k] 一次前向（不起草时这一步就是普通解码，不会回滚，不必记历史）
@@ -194,12 +194,11 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
         snap = snapshot(r.state) if recompute else None
         if not recompute and k > 0:
             keep_history(r.state)
-        hidden = model.hidden(feed, r.state)  # [1, k+1, h]
-        logits = model.lm_head(hidden).float()  # [1, k+1, V]
+        h = model.hidden(feed, r.state)  # [1, k+1, h]
         r.forwards, r.rounds = r.forwards + 1, r.rounds + 1
 
         # 3. 接受最长的一致前缀，再加一个主模型的 token；遇到停止符或预算用完就截断
-        n, new = verify(drafts, qs, logits[0], temperature, top_k, top_p, gen)
+        n, new = verify(drafts, qs, model.lm_head(h).float()[0], temperature, top_k, top_p, gen, penalty)
         m = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))  # 停止符（含）之后的不要
         m = min(m, max_new_tokens - len(r.tokens))  # 预算用完也截断
         emitted = new[:m]  # 本轮喂进去的 token 里保留前 m 个：last 与 d₁…d_{m−1}
@@ -207,7 +206,7 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
         # 4. 提交状态
         if recompute and m < k + 1:  # 有被丢弃的 token：恢复快照，再把保留的重新喂一遍
             rollback(r.state, snap)
-            hidden = model.hidden(feed[:, :m], r.state)
+            h = model.hidden(feed[:, :m], r.state)
             r.forwards += 1
         elif not recompute and k > 0:
             commit(r.state, start, m)
@@ -217,14 +216,15 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
             r.accepted_at[i] += i < n
         r.hits, r.drafted, r.tokens, last = r.hits + min(n, m), r.drafted + k, r.tokens + emitted, emitted[-1]
         r.trace.append((k, min(n, m), emitted))
+        penalty.add(emitted)
+        yield emitted
         # 这一轮留下的 m 对 (h_t, e_{t+1})：草稿头下次起草时一并送进去（不起草的轮里它们就一直攒着）
-        pend_hidden = torch.cat([pend_hidden, hidden[:, :m]], 1)
+        pend_hidden = torch.cat([pend_hidden, h[:, :m]], 1)
         pend_tokens = torch.cat([pend_tokens, torch.tensor([emitted], device=dev)], 1)
-    return r
 
 
 def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
-                 top_p=None, seed=None):
+                 top_p=None, seed=None, **more):
     """投机解码，返回 (tokens, rounds, hits)；贪心时 tokens 与 generate(model, ids, …) 逐个相同。详细结果见 speculate()。"""
-    r = speculate(model, mtp, ids, max_new_tokens, stop, draft_tokens, temperature, top_k, top_p, seed)
+    r = speculate(model, mtp, ids, max_new_tokens, stop, draft_tokens, temperature, top_k, top_p, seed, **more)
     return r.tokens, r.rounds, r.hits

@@ -170,6 +170,11 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
     return path, hf
 
 
+def prompt(vocab, T, seed=0):
+    """随机的 [1, T] 提示词（种子固定）。"""
+    return torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
 def small_model(vocab_size: int, embed_std: float, seed: int = 0, **overrides):
     """直接用我们的 Config 搭一个极小的随机模型（不经过检查点），给采样与错误处理的测试用。"""
     from qwen import Config, Model

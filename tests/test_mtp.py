@@ -86,6 +86,18 @@ def test_greedy_speculative_equals_plain(model, mtp, T, k, n, seed):
     assert tokens == generate(model, ids, n) and rounds <= n - 1 and hits <= n - 1
 
 
+@pytest.mark.parametrize("k", [1, 3, None])
+def test_greedy_speculative_with_penalties_equals_plain(model, mtp, k):
+    """罚重复时贪心的投机解码仍与普通贪心逐 token 相同（验证第 i 个位置时它前面的草稿也算出现过）。"""
+    for T in (6, 40):
+        ids = ids_of(T, seed=300 + T)
+        more = dict(repetition_penalty=1.4, presence_penalty=0.6)
+        plain = generate(model, ids, 30, **more)
+        assert plain != generate(model, ids, 30)  # 罚重复真的改变了输出
+        seq = ids[0].tolist() + plain
+        assert speculate(model, OracleDrafter(mtp, seq, 0.7, seed=T), ids, 30, draft_tokens=k, **more).tokens == plain
+
+
 def test_plain_path_speculates_like_greedy(lively):
     """各章的普通模型与草稿头（pack=False，不变换）：投机解码与普通贪心逐 token 相同，与快路径的结果也相同。"""
     plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
@@ -260,31 +272,43 @@ def small_model_and_heads():
     return m, head, bad
 
 
-def exact_two_token_distribution(m, ids, temperature, top_k, top_p):
-    """普通采样下前两个 token 的精确联合分布 P(x1, x2)。"""
+def exact_two_token_distribution(m, ids, temperature, top_k, top_p, repetition=1.0, presence=0.0):
+    """普通采样下前两个 token 的精确联合分布 P(x1, x2)。罚重复按定义直接写（不用 Penalty）：出现过的 token
+    （提示词与 x1）logit 为正时除以 repetition、为负时乘以它；生成过的（x1）再减 presence。"""
     V = m.cfg.vocab_size
+
+    def penalize(logits, seen, made):
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+        return logits - presence * made.float()
+
+    prompt = torch.zeros(V, dtype=torch.bool)
+    prompt[ids[0]] = True
     with torch.no_grad():
-        p1 = probabilities(m(ids)[0, -1], temperature, top_k, top_p)
+        p1 = probabilities(penalize(m(ids)[0, -1], prompt, torch.zeros(V, dtype=torch.bool)), temperature, top_k, top_p)
         ext = torch.cat([ids.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p2 = probabilities(m(ext)[:, -1], temperature, top_k, top_p)  # [V, V]：给定 x1 时 x2 的分布
+        x1 = torch.eye(V, dtype=torch.bool)  # 第 x1 行：x1 生成过
+        p2 = probabilities(penalize(m(ext)[:, -1], prompt | x1, x1), temperature, top_k, top_p)  # [V, V]：给定 x1
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("which,k", [("head", 1), ("bad", 1), ("bad", 2)])
-def test_speculative_sampling_distribution(which, k):
+@pytest.mark.parametrize("which,k,penalties", [("head", 1, (1.0, 0.0)), ("bad", 1, (1.0, 0.0)), ("bad", 2, (1.6, 0.7))])
+def test_speculative_sampling_distribution(which, k, penalties):
     """N = 3000 次带种子的投机采样，前两个 token 的边缘分布与普通采样的精确分布一致：
-    每个词的频率偏差不超过 5 个标准差加 0.003，总变差距离 < 0.05。"""
+    每个词的频率偏差不超过 5 个标准差加 0.003，总变差距离 < 0.05。罚重复时，验证第 i 个位置的惩罚算上它前面的草稿，
+    分布照样相同。"""
     m, head, bad = small_model_and_heads()
     drafter = head if which == "head" else bad
     ids = torch.tensor([[1, 2, 3]])
     temperature, top_k, top_p = 1.0, 12, 0.95
-    joint = exact_two_token_distribution(m, ids, temperature, top_k, top_p)
+    joint = exact_two_token_distribution(m, ids, temperature, top_k, top_p, *penalties)
+    more = dict(repetition_penalty=penalties[0], presence_penalty=penalties[1])
     N, V = 3000, m.cfg.vocab_size
     counts = torch.zeros(V, V)
     drafted = hits = 0
     for s in range(N):
         # 预算 k+2：第二个 token 来自一次带 k 个草稿的验证
-        r = speculate(m, drafter, ids, k + 2, draft_tokens=k, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)
+        r = speculate(m, drafter, ids, k + 2, draft_tokens=k, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
+                      **more)
         counts[r.tokens[0], r.tokens[1]] += 1
         drafted, hits = drafted + r.drafted, hits + r.hits
     assert drafted > 0 and (0 < hits < drafted)  # 有接受也有拒绝

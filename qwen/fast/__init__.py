@@ -15,7 +15,6 @@
 import torch
 from torch import nn
 
-from ..model import Model
 from ..mtp import MTP
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
 from .linear import BLOCK, BlockedLinear, PackedLinear, can_pack, compile_matvec, fast_linear, gemv
@@ -42,7 +41,7 @@ def speedup(module, path, compile: bool = False):
     kernel = compile_matvec(some.dtype) if compile else None
     if isinstance(module, MTP):
         return speed_up_mtp(module, path, kernel)
-    model: Model = module
+    model = module
     # 先换最大的输出头，再把嵌入表留在文件里：普通布局的那 0.5 GB 这就释放，之后换各层时内存峰值低一些
     model.lm_head = fast_linear([model.lm_head], kernel)
     model.embed_tokens = FileEmbedding(RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), some.dtype))

@@ -22,6 +22,7 @@ from ..mlp import MLP
 from .linear import COMPILE_OPTIONS, fast_linear
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # compile=True 时整层编译的短长度：解码 1 个 token，验证 1～4 个草稿
+GROUPED_FROM = 256  # 解码时缓存至少这么长才走 FastAttention.attend 的分组矩阵乘法（更短时 SDPA 的固定开销更小）
 COMPILED_PIECE = 512  # compile=True 时长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
 
 
@@ -66,7 +67,16 @@ class FastAttention(Attention):
     def project(self, x):
         return self.qkv(x).split(self.qkv_sizes, dim=-1)  # q_proj、k_proj、v_proj 拼成一个矩阵
 
-    attend = torch.compiler.disable(Attention.attend)  # 编译的层在这里断开
+    @torch.compiler.disable  # 编译的层在这里断开：缓存长度每步都变，这一段照常逐个运算
+    def attend(self, q, k, v, state, valid):
+        """解码一个 token、缓存又不短时，同一个键值头的 g 个查询头排成 g 行，一次矩阵乘法读一遍这一头的缓存：
+        CPU 上的 scaled_dot_product_attention 对一个查询读长缓存读得慢（见 docs/performance.md）。其余照第 6 章。"""
+        B, H, T, D = q.shape
+        if valid is not None or state is None or T != 1 or state.length + 1 < GROUPED_FROM:
+            return super().attend(q, k, v, state, valid)
+        k, v = state.append(k, v)  # [B, Hkv, L, D]
+        scores = (q.reshape(B, k.shape[1], -1, D) @ k.transpose(-1, -2)) * D**-0.5  # [B, Hkv, g, L]
+        return (torch.softmax(scores, dim=-1) @ v).reshape(B, T, H * D)  # [B, Hkv, g, D] → [B, 1, H·D]
 
 
 class FastDeltaNet(GatedDeltaNet):

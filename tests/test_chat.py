@@ -1,0 +1,187 @@
+"""对话：发布模板的渲染规则、多轮对话不重读历史、MTP 与命令行、采样的默认值。"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qwen import Chat, Conversation, Model, build_prompt, generate
+from qwen.conversation import generation_defaults
+
+TEMPLATE = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5-chat-template.jinja"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "查天气",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"a": "number", "b": "number"}}}]
+CALLS = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "北京", "days": [1, 2], "hourly": True}}},
+         {"name": "add", "arguments": {"a": 1, "b": 2.5, "opts": {"exact": None}}}]
+SHAPES = {
+    "one user turn": [{"role": "user", "content": "你好"}],
+    "system, whitespace trimmed": [{"role": "system", "content": "  你是助手。\n"}, {"role": "user", "content": "\n 你好  "}],
+    "text parts": [{"role": "user", "content": [{"type": "text", "text": "北京"}, {"type": "text", "text": "天气？ "}]}],
+    "history with think in content": [
+        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "<think>\n想想\n</think>\n\n2"},
+        {"role": "user", "content": "再加 1？"}],
+    "reasoning after the last query": [
+        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2", "reasoning_content": "简单"}],
+    "think in content after the last query": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>\nA\n</think>\nB"}],
+    "tool calls and responses": [
+        {"role": "system", "content": "用工具。"}, {"role": "user", "content": "北京天气，再算 1+2.5"},
+        {"role": "assistant", "content": "我查一下。", "tool_calls": CALLS},
+        {"role": "tool", "content": "晴"}, {"role": "tool", "content": "3.5"},
+        {"role": "assistant", "content": "北京晴，和是 3.5。"}, {"role": "user", "content": "谢谢"}],
+    "multi-step tool (ends with a tool response)": [
+        {"role": "user", "content": "北京天气"},
+        {"role": "assistant", "content": None, "reasoning_content": "要查", "tool_calls": CALLS[:1]},
+        {"role": "tool", "content": "晴"}],
+}
+
+
+def jinja_render(messages, tools, thinking):
+    """用 jinja2 渲染发布的模板，与 transformers 的 apply_chat_template 一样设置（tojson 不转义非 ASCII）。"""
+    jinja2 = pytest.importorskip("jinja2")
+    if not TEMPLATE.is_file():
+        pytest.skip("没有 ../shared/reference/qwen3.5-chat-template.jinja")
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+    env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
+    return env.from_string(TEMPLATE.read_text()).render(messages=messages, tools=tools, add_generation_prompt=True,
+                                                         enable_thinking=thinking)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no tools", "tools"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_build_prompt_equals_the_released_template(shape, tools, thinking):
+    messages = SHAPES[shape]
+    assert build_prompt(messages, enable_thinking=thinking, tools=tools) == jinja_render(messages, tools, thinking)
+
+
+@pytest.mark.parametrize("messages,error", [
+    ([{"role": "robot", "content": "hi"}], "'robot' 未知"),
+    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "晚了"}], "系统消息只能是第一条"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "没有用户的问题"),
+    ([{"role": "user", "content": "<tool_response>\nx\n</tool_response>"}], "没有用户的问题"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}], "没有 name"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{}"}]}],
+     "arguments 应为 dict"),
+    ([{"role": "user", "content": 42}], "content 应为字符串"),
+    ([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}], "content 应为字符串"),
+    ([], "空"),
+])
+def test_bad_messages(messages, error):
+    with pytest.raises(ValueError, match=error):
+        build_prompt(messages)
+
+
+# ---------- 多轮对话：不重读历史 ----------
+
+
+@pytest.fixture(scope="module")
+def model(lively):
+    return Model.from_pretrained(lively[0], dtype=torch.float32)
+
+
+TURNS = ["你好，介绍一下长江。", "再写 200 字。", "谢谢 🚀"]
+
+
+@pytest.mark.parametrize("mtp", [True, False], ids=["mtp", "plain"])
+def test_reused_turns_equal_reprefilled_turns(lively, model, mtp):
+    """三轮对话：复用留下的状态，与每轮从头读整段对话的输出逐 token 相同；每轮主模型只读新的部分。"""
+    chat = Chat(model, lively[0], mtp=mtp)
+    reusing = Conversation(chat, mtp)
+    assert (reusing.mtp is not None) == mtp
+    messages, total_prev = [{"role": "system", "content": "你是助手。"}], None
+    for i, text in enumerate(TURNS):
+        messages.append({"role": "user", "content": text})
+        answer = "".join(reusing.reply(messages, max_new_tokens=12, temperature=0))
+        fresh = Conversation(chat, mtp)
+        assert "".join(fresh.reply(messages, max_new_tokens=12, temperature=0)) == answer
+        tokens = chat.encode(chat.prompt(messages))[0].tolist()
+        assert fresh.fed == len(tokens)  # 从头读：整段提示词
+        if i == 0:
+            assert reusing.fed == len(tokens)
+        else:  # 上一轮留下的是读到上一个用户问题末尾的状态：这一轮只读之后的部分
+            kept = chat.encode(build_prompt(messages[:-2], add_generation_prompt=False))[0].tolist()
+            assert tokens[: len(kept)] == kept and reusing.fed == len(tokens) - len(kept) < len(tokens)
+        ids = chat.encode(chat.prompt(messages))
+        plain = [t for t in generate(model, ids, 12, chat.stop) if t not in chat.stop]
+        assert answer == chat.decode(plain)  # 与普通贪心也相同
+        messages.append({"role": "assistant", "content": answer})
+    edited = [messages[0], {"role": "user", "content": "换个问题"}]  # 历史改了：从头读，结果照样对
+    answer = "".join(reusing.reply(edited, max_new_tokens=6, temperature=0))
+    assert reusing.fed == len(chat.encode(chat.prompt(edited))[0])
+    assert answer == "".join(Conversation(chat, mtp).reply(edited, max_new_tokens=6, temperature=0))
+
+
+def test_chat_reply_uses_one_conversation(lively, model):
+    """Chat.reply 默认用检查点的草稿头；同一个 Chat 的各次 reply 共用一个 Conversation，第二轮不重读第一轮的问题。"""
+    chat = Chat(model, lively[0])
+    first = [{"role": "user", "content": "你好"}]
+    answer = "".join(chat.reply(first, max_new_tokens=6, temperature=0))
+    conv = chat.conversation
+    assert conv is not None and conv.mtp is not None and conv.stats["drafted"] is not None
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "再见"}]
+    "".join(chat.reply(second, max_new_tokens=6, temperature=0))
+    assert chat.conversation is conv and conv.fed < len(chat.encode(chat.prompt(second))[0])
+
+
+# ---------- 采样的默认值 ----------
+
+
+def test_generation_defaults(tmp_path):
+    assert generation_defaults(tmp_path) == {}  # 没有文件：贪心
+    file = tmp_path / "generation_config.json"
+    file.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "presence_penalty": 1.5,
+                                "eos_token_id": [1, 2]}))
+    assert generation_defaults(tmp_path) == dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+    file.write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
+    assert generation_defaults(tmp_path) == {}  # 与 transformers 一样：不采样就是贪心
+    file.write_text(json.dumps({"do_sample": True}))
+    assert generation_defaults(tmp_path) == dict(temperature=1.0, top_k=50)  # transformers 的默认值
+    file.write_text(json.dumps({"do_sample": True, "top_p": 1.5}))
+    with pytest.raises(ValueError, match=r"generation_config\.json.*top_p"):
+        generation_defaults(tmp_path)
+    file.write_text("{")
+    with pytest.raises(ValueError, match="不是合法的 JSON"):
+        generation_defaults(tmp_path)
+
+
+def test_reply_takes_the_checkpoint_defaults(lively, model, tmp_path):
+    """generation_config.json 的设置是默认值，给了的参数覆盖它，temperature=0 是贪心。"""
+    import shutil
+
+    path = tmp_path / "ck"
+    shutil.copytree(lively[0], path)
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1.5, "top_k": 30}))
+    chat = Chat(model, path, mtp=False)
+    conv = Conversation(chat, mtp=False)
+    messages = [{"role": "user", "content": "你好"}]
+    ids = chat.encode(chat.prompt(messages))
+    sampled = generate(model, ids, 10, chat.stop, temperature=1.5, top_k=30, seed=4)
+    assert "".join(conv.reply(messages, max_new_tokens=10, seed=4)) == chat.decode([t for t in sampled if t not in chat.stop])
+    greedy = generate(model, ids, 10, chat.stop)
+    assert "".join(conv.reply(messages, max_new_tokens=10, temperature=0)) == chat.decode([t for t in greedy if t not in chat.stop])
+    with pytest.raises(ValueError, match="未知的采样参数 temprature"):
+        next(conv.reply(messages, temprature=1.0))
+
+
+# ---------- 命令行 ----------
+
+
+def run_cli(path, *args):
+    out = subprocess.run([sys.executable, "-m", "qwen", "你好", "--model", str(path), "--max-new-tokens", "12",
+                          "--dtype", "float32", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_cli_with_and_without_mtp(lively):
+    """命令行默认用草稿头（统计行里有接受率）；--no-mtp 的贪心输出一模一样；采样带种子时可以复现。"""
+    with_mtp, without = run_cli(lively[0], "--temperature", "0"), run_cli(lively[0], "--temperature", "0", "--no-mtp")
+    assert with_mtp.stdout == without.stdout and with_mtp.stdout.strip()
+    assert "接受率" in with_mtp.stderr and "接受率" not in without.stderr and "token/s" in without.stderr
+    a, b = (run_cli(lively[0], "--temperature", "0.9", "--top-p", "0.9", "--seed", "7") for _ in range(2))
+    assert a.stdout == b.stdout
