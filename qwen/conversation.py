@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .cache import copy_state
+from .attention import AttentionState
+from .cache import State, copy_state
 from .chat import build_prompt
+from .mtp import MTP, SpecResult, stream_mtp
 from .sample import check_sampling, stream
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty")
@@ -46,8 +48,7 @@ def generation_defaults(path) -> dict:
 
 def load_draft_head(model, path):
     """检查点有 mtp.* 时读出草稿头（与主模型同样的布局），没有时返回 None。"""
-    from .fast.linear import BlockedLinear
-    from .mtp import MTP
+    from .fast.linear import BlockedLinear  # 草稿头要与主模型同样的布局
 
     try:
         return MTP.from_pretrained(model.cfg, path, dtype=model.dtype, pack=not isinstance(model.lm_head, nn.Linear),
@@ -95,8 +96,6 @@ class Conversation:
             begin = start if cut is None else max(cut, start)
             self.fed = len(tokens) - start
             if self.mtp is not None:
-                from .mtp import SpecResult, stream_mtp
-
                 r = SpecResult()
                 rounds = stream_mtp(model, self.mtp, [tokens[begin:]], max_new_tokens, chat.stop, None, seed=seed,
                                     result=r, state=state, mtp_state=mtp_state, hidden=hidden, history=tokens[:begin],
@@ -126,13 +125,10 @@ class Conversation:
 
     def resume(self, tokens, cut):
         """从留下的那份接着（token 对得上时），否则从头：返回 (State, 草稿头的缓存, 隐藏状态, 已读到的位置)。"""
-        from .cache import State
-
-        if self.saved is not None and cut is not None and len(self.saved[0]) <= cut and tokens[: len(self.saved[0])] == self.saved[0]:
-            saved_tokens, state, mtp_state, hidden = self.saved
-            return copy_state(state), copy_state(mtp_state) if self.mtp else None, hidden, len(saved_tokens)
-        from .attention import AttentionState
-
+        if self.saved is not None and cut is not None:
+            kept, state, mtp_state, hidden = self.saved
+            if len(kept) <= cut and tokens[: len(kept)] == kept:
+                return copy_state(state), copy_state(mtp_state) if self.mtp else None, hidden, len(kept)
         return State(self.model), AttentionState() if self.mtp is not None else None, None, 0
 
     def feed(self, tokens, start, end, state, mtp_state, hidden):
