@@ -66,12 +66,14 @@ class Penalty:
         if not self.active:
             return logits
         V, extra = logits.shape[-1], [t for t in extra if t < logits.shape[-1]]
-        seen, made = self.seen[:, :V].clone(), self.made[:, :V].clone()
-        seen[0, extra] = made[0, extra] = True
-        seen, made = seen.to(logits.device), made.to(logits.device)
+        seen, made = self.seen[:, :V], self.made[:, :V]
+        if extra:  # 只在这一次算进去，不改动记下的状态
+            seen, made = seen.clone(), made.clone()
+            seen[0, extra] = made[0, extra] = True
         r = self.repetition
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-        return logits - self.presence * made.to(logits.dtype)
+        if r != 1.0:
+            logits = torch.where(seen.to(logits.device), torch.where(logits > 0, logits / r, logits * r), logits)
+        return logits - self.presence * made.to(logits.device, logits.dtype) if self.presence else logits
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k=None, top_p=None) -> torch.Tensor:

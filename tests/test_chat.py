@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from qwen import Chat, Conversation, Model, build_prompt, generate
 from qwen.conversation import generation_defaults
 
-TEMPLATE = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5-chat-template.jinja"
+TEMPLATE = Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5-chat-template.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "查天气",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
          {"type": "function", "function": {"name": "add", "parameters": {"a": "number", "b": "number"}}}]
