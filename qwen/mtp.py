@@ -53,7 +53,7 @@ class MTP(nn.Module):
         dtype = emb_next.dtype  # 权重的 dtype
         x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x.to(dtype))  # [B, T, h]：嵌入在前，隐藏状态在后
-        cos, sin = rope_tables(self.cfg, torch.arange(start, start + x.shape[1], device=x.device))
+        cos, sin = rope_tables(self.cfg, start + torch.arange(x.shape[1], device=x.device))
         return self.norm(self.layers[0](x.float(), cos, sin, state)).to(dtype)
 
     def draft(self, model, tokens, hidden, start: int, k: int, state: AttentionState, temperature=0.0,

@@ -5,7 +5,7 @@ import torch
 
 from qwen import Model, State
 from qwen.deltanet import recurrent_gated_delta_rule
-from qwen.fast.layers import recurrent_in_place
+from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
 from qwen.fast.linear import BLOCK, BlockedLinear, PackedLinear, compile_matvec, from_blocks, matvec_blocks, to_blocks
 from qwen.fast.rows import FileEmbedding, RowReader
 
@@ -35,7 +35,7 @@ def compiled_model(tiny):
     mlp = model.layers[0].mlp
     assert isinstance(mlp.gate_up, BlockedLinear) and isinstance(mlp.down_proj, BlockedLinear)
     assert isinstance(model.lm_head, BlockedLinear) and isinstance(model.embed_tokens, FileEmbedding)
-    assert all(layer.compiled is not None for layer in model.layers)
+    assert model.step_lengths == DECODE_LENGTHS  # 解码与验证：全部层编译成一张图（附录 step.py）
     return model
 
 

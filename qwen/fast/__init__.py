@@ -17,8 +17,9 @@ from torch import nn
 
 from ..mtp import MTP
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
-from .linear import BLOCK, BlockedLinear, PackedLinear, can_pack, compile_matvec, fast_linear, gemv
+from .linear import BLOCK, COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_pack, compile_matvec, fast_linear, gemv
 from .rows import FileEmbedding, RowReader, tensor_file
+from .step import FastModel, reserve
 
 # 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章的 best_draft_count）。打包的布局读一遍权重就能
 # 算几行，多验证一行几乎不花钱：起草一次是草稿头的一层（主模型 L 层，约 1/L）加输出头的前 32768 行（0.8B 上又约 1/L），
@@ -47,15 +48,30 @@ def speedup(module, path, compile: bool = False):
     model.embed_tokens = FileEmbedding(RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), some.dtype))
     for layer in model.layers:
         speed_up_layer(layer, kernel)
-    if kernel is not None:  # 每层在几种固定长度上整层编译：解码一个 token、验证几个草稿、长提示词的一整段
+    if kernel is not None:  # 解码一步（全部层）编译成一张图：解码一个 token、验证几个草稿
         model.piece = COMPILED_PIECE
-        for layer in model.layers:
-            layer.compile_for(DECODE_LENGTHS + (model.piece,))
+        model.__class__ = FastModel
+        model.compile_steps(DECODE_LENGTHS)
     return model
 
 
 class FastMTP(MTP):
     draft_rows = None  # [draft_vocab, h]：输出头前 draft_vocab 行的普通布局副本（打包布局时读出）
+    step = None  # compile=True 时：forward 编译成的一张图（位置是 0 维张量，缓存的写读是 cached_attention）
+
+    def forward(self, emb_next, hidden, start: int, state=None):
+        B, T, _ = emb_next.shape
+        if self.step is None or state is None or B != 1 or T not in DECODE_LENGTHS or not 0 < state.length == start:
+            return super().forward(emb_next, hidden, start, state)
+        pos = torch.tensor(start)
+        reserve(state, start + T)
+        state.offset = pos
+        try:
+            out = self.step(emb_next, hidden, pos, state)
+        finally:
+            state.offset = None
+        state.length += T
+        return out
 
     def draft_logits(self, model, x):
         """只打前 draft_vocab 个 token 的分：compile=True 时输出头本来就是分块布局，前 draft_vocab / 32 块就是这些行，
@@ -78,8 +94,8 @@ def speed_up_mtp(mtp: MTP, path, kernel=None) -> MTP:
     speed_up_layer(mtp.layers[0], kernel)
     mtp.__class__ = FastMTP
     mtp.draft_cost = (PACKED_COST if kernel is None else COMPILED_COST) / mtp.cfg.num_hidden_layers
-    if kernel is not None:  # 起草一个 token、送进上一轮留下的几对：与主模型的层一样整层编译
-        mtp.layers[0].compile_for(DECODE_LENGTHS)
+    if kernel is not None:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
+        mtp.step = torch.compile(MTP.forward.__get__(mtp), dynamic=False, options=COMPILE_OPTIONS)
     elif mtp.draft_vocab is not None:  # 打包的输出头里切不出前几行：另读一份小副本（0.8B 取 32768 行时 64 MB）
         head = ("model.", "embed_tokens.weight") if mtp.cfg.tie_word_embeddings else ("", "lm_head.weight")
         mtp.draft_rows = RowReader(*tensor_file(path, *head), mtp.fc.dtype).head(mtp.draft_vocab)

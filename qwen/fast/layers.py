@@ -22,7 +22,6 @@ from ..mlp import MLP
 from .linear import COMPILE_OPTIONS, fast_linear
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # compile=True 时整层编译的短长度：解码 1 个 token，验证 1～4 个草稿
-GROUPED_FROM = 256  # 解码时缓存至少这么长才走 FastAttention.attend 的分组矩阵乘法（更短时 SDPA 的固定开销更小）
 COMPILED_PIECE = 512  # compile=True 时长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
 
 
@@ -57,6 +56,40 @@ def recurrent_in_place(q, k, v, g, beta, S, keep_all: bool = False):
     return o, S, (states if keep_all else None)
 
 
+GROUPED_FROM = 256  # 解码时缓存至少这么长才用分组矩阵乘法（更短时 SDPA 的固定开销更小）
+
+
+def attend_cache(q, k_all, v_all):
+    """q [B, H, T, D] 对缓存的前 L 个位置 k_all、v_all [B, Hkv, L, D] 做因果注意力（新 token 在最后 T 个位置）→ [B, T, H·D]。
+    一个查询、缓存又不短时，同一个键值头的 g 个查询头排成 g 行，一次矩阵乘法读一遍这一头的缓存：CPU 上的
+    scaled_dot_product_attention 对一个查询读长缓存读得慢（见 docs/performance.md）。"""
+    B, H, T, D = q.shape
+    Hkv, L = k_all.shape[1], k_all.shape[2]
+    if T == 1 and L >= GROUPED_FROM:
+        scores = (q.reshape(B, Hkv, -1, D) @ k_all.transpose(-1, -2)) * D**-0.5  # [B, Hkv, g, L]
+        return (torch.softmax(scores, dim=-1) @ v_all).reshape(B, T, H * D)  # [B, Hkv, g, D] → [B, 1, H·D]
+    mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)  # [T, L]
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=D**-0.5, enable_gqa=H != Hkv)
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+@torch.library.custom_op("qwen_fast::cached_attention", mutates_args=("k_buf", "v_buf"))
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     pos: torch.Tensor) -> torch.Tensor:
+    """新的 k、v [B, Hkv, T, D] 写进缓冲区的 pos…pos+T−1，再对前 pos + T 个位置做注意力 → [B, T, H·D]。"""
+    start = int(pos)
+    end = start + k.shape[2]
+    k_buf[:, :, start:end] = k
+    v_buf[:, :, start:end] = v
+    return attend_cache(q, k_buf[:, :, :end], v_buf[:, :, :end])
+
+
+@cached_attention.register_fake
+def _(q, k, v, k_buf, v_buf, pos):
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H * D)
+
+
 class FastMLP(MLP):
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # gate_proj、up_proj 拼成一个矩阵
@@ -67,16 +100,14 @@ class FastAttention(Attention):
     def project(self, x):
         return self.qkv(x).split(self.qkv_sizes, dim=-1)  # q_proj、k_proj、v_proj 拼成一个矩阵
 
-    @torch.compiler.disable  # 编译的层在这里断开：缓存长度每步都变，这一段照常逐个运算
     def attend(self, q, k, v, state, valid):
-        """解码一个 token、缓存又不短时，同一个键值头的 g 个查询头排成 g 行，一次矩阵乘法读一遍这一头的缓存：
-        CPU 上的 scaled_dot_product_attention 对一个查询读长缓存读得慢（见 docs/performance.md）。其余照第 6 章。"""
-        B, H, T, D = q.shape
-        if valid is not None or state is None or T != 1 or state.length + 1 < GROUPED_FROM:
+        """在整步编译的图里（step.py 给状态挂上 offset）：写缓存、读缓存都交给自定义算子 cached_attention；
+        图外没有左填充时用 attend_cache（解码一个 token、缓存又不短时按键值头分组）；其余照第 6 章。"""
+        if getattr(state, "offset", None) is not None:
+            return torch.ops.qwen_fast.cached_attention(q, k, v, state.k_buf, state.v_buf, state.offset)
+        if valid is not None or state is None:
             return super().attend(q, k, v, state, valid)
-        k, v = state.append(k, v)  # [B, Hkv, L, D]
-        scores = (q.reshape(B, k.shape[1], -1, D) @ k.transpose(-1, -2)) * D**-0.5  # [B, Hkv, g, L]
-        return (torch.softmax(scores, dim=-1) @ v).reshape(B, T, H * D)  # [B, Hkv, g, D] → [B, 1, H·D]
+        return attend_cache(q, *state.append(k, v))
 
 
 class FastDeltaNet(GatedDeltaNet):
@@ -85,24 +116,12 @@ class FastDeltaNet(GatedDeltaNet):
 
 
 class FastDecoderLayer(DecoderLayer):
-    compiled = None  # compile=True 时：本层 forward 的编译版本
-    compiled_lengths = ()  # 哪些 token 数走编译版本，每种各编译一次（形状固定）
-
     @property
     def dtype(self) -> torch.dtype:
         return self.mlp.down_proj.dtype
 
     def delta_rule(self, T: int):
         return recurrent_in_place if T <= RECURRENT_MAX_T else chunk_gated_delta_rule
-
-    def compile_for(self, lengths) -> None:
-        self.compiled = torch.compile(super().forward, dynamic=False, options=COMPILE_OPTIONS)
-        self.compiled_lengths = tuple(lengths)
-
-    def forward(self, x, cos, sin, state=None, valid=None):
-        if self.compiled is not None and x.shape[1] in self.compiled_lengths and state is not None and valid is None:
-            return self.compiled(x, cos, sin, state)
-        return super().forward(x, cos, sin, state, valid)
 
 
 def fuse(module, name: str, parts: list[str], kernel) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
 BLOCK = 32  # 分块布局每块的输出个数
 BLOCK_ROWS = 8  # 编译的 matvec_blocks 一次最多乘这么多行（解码 1 行，验证 k 个草稿 k + 1 行）
+SPLIT = 4  # 一行输入时 matvec_blocks 把输入维分成几段、各用一个累加器
 KERNEL_ROWS = 32  # 不超过这么多行时每 8 行一段用 matvec_blocks；更多行时拼回普通布局（拼回一次有固定的代价）
 COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}  # 生成的 C++ 里允许把乘、加合成 FMA
 
@@ -70,6 +71,10 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """
     x = torch.as_strided(x, x.shape, x.stride())
     w = blocks.float()  # [B, in, 32]
+    n = w.shape[1]
+    if x.shape[0] == 1 and n % SPLIT == 0:  # 一行：输入维分成 4 段各自累加，最后再加起来（见下）
+        parts = (w.view(-1, SPLIT, n // SPLIT, BLOCK) * x.float().view(1, SPLIT, -1, 1)).sum(2)  # [B, 4, 32]
+        return parts.sum(1).flatten()[None].to(x.dtype)
     rows = [(w * x[m].float()[None, :, None]).sum(1).flatten() for m in range(x.shape[0])]  # 每个 [B·32]
     return torch.stack(rows).to(x.dtype)
 

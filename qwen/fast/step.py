@@ -1,0 +1,68 @@
+"""附录 · 快路径：解码一步（全部层）编译成一张图。
+
+解码一个 token 时，每层是几十个只有几千个数的小运算；逐层编译之后每层仍是一次带守卫检查的编译函数调用，
+注意力层还要在 attend 处断开（缓存长度每步都变）。这里把一步的全部层、RoPE 与最后的 norm 交给 torch.compile
+一次追踪成一张图，与 gpt-fast 一样要解决的是“缓存每步都变长”：
+- 位置不作为 Python 整数进图（那样每一步都是一个新常数、都要重新编译），而是一个 0 维张量 pos；
+- KV 缓存的写入与读取是一个自定义算子 cached_attention：图把它当黑盒，它在图外照常按 pos 写入、读前 pos + T 个位置。
+  缓存的缓冲区只在图外扩容（reserve），长度那一维标成动态的，扩容也不重新编译。
+每种 token 数（解码 1 个、验证 1～4 个草稿）、记不记历史各编译一次，之后每步就是一次调用。
+"""
+
+import torch
+
+from ..attention import AttentionState
+from ..layer import DecoderLayer
+from ..model import Model
+from ..rope import rope_tables
+from .linear import COMPILE_OPTIONS
+
+def reserve(state: AttentionState, n: int) -> None:
+    """让已有的 KV 缓冲区至少容得下 n 个位置（与第 6 章的 append 一样按倍数扩容）。扩容发生在图外；
+    长度那一维标成动态的（图不按缓冲区的容量特化），扩容之后还是同一张图。"""
+    if n > state.k_buf.shape[2]:
+        old_k, old_v = state.k, state.v
+        state.k_buf = old_k.new_empty(*old_k.shape[:2], max(256, 2 * n), old_k.shape[3])
+        state.v_buf = torch.empty_like(state.k_buf)
+        state.k_buf[:, :, : state.length], state.v_buf[:, :, : state.length] = old_k, old_v
+    for buf in (state.k_buf, state.v_buf):
+        if not hasattr(buf, "_dynamo_dynamic_indices"):
+            torch._dynamo.mark_dynamic(buf, 2)
+
+
+class FastModel(Model):
+    """解码与验证（一个提示词、不多于 5 个 token、状态已有预填充）走整步编译的图，其余照第 10 章。"""
+
+    step_lengths = ()  # 哪些 token 数走编译的一步
+
+    def compile_steps(self, lengths) -> None:
+        self.step_lengths = tuple(lengths)
+        self.step = torch.compile(self.decode_step, dynamic=False, options=COMPILE_OPTIONS)
+
+    def decode_step(self, x, pos, states):
+        """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos 是 0 维张量，states 是各层的状态。"""
+        cos, sin = rope_tables(self.cfg, pos + torch.arange(x.shape[1], device=x.device))
+        for layer, s in zip(self.layers, states):
+            x = DecoderLayer.forward(layer, x, cos, sin, s)
+        return self.norm(x)
+
+    def hidden(self, ids, state=None):
+        ids = self.check_ids(ids, state)
+        B, T = ids.shape
+        if T not in self.step_lengths or state is None or B != 1 or state.valid is not None or state.pos == 0:
+            return super().hidden(ids, state)
+        pos = torch.tensor(state.pos)
+        attention = [s for s in state.layers if isinstance(s, AttentionState)]
+        for s in attention:
+            reserve(s, state.pos + T)
+            s.offset = pos
+        x = self.embed_tokens(ids)  # [1, T, hidden]
+        try:
+            h = self.step(x.float(), pos, state.layers)
+        finally:
+            for s in attention:
+                s.offset = None
+        for s in attention:
+            s.length += T
+        state.pos += T
+        return h.to(x.dtype)
