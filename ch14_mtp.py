@@ -18,7 +18,7 @@ import torch
 
 from qwen.chat import Chat
 from qwen.model import Model
-from qwen.fast import num_params
+from qwen.fast import is_compiled, num_params, warm_up
 from qwen.mtp import DRAFT_VOCAB, MTP, speculate
 from qwen.sample import generate
 
@@ -53,7 +53,8 @@ def main(argv=None):
     p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, help="起草时只给词表前这么多个 token 打分")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="矩阵换成分块布局、各层用 torch.compile 编译（第 1、9 章；要 C++ 编译器）")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="强制用（--compile）或不用（--no-compile）附录里 torch.compile 编译的路径；默认能编译就用")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,6 +64,9 @@ def main(argv=None):
         mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.dtype, draft_vocab=args.draft_vocab,
                                   compile=args.compile)
         chat = Chat(model)
+        if is_compiled(model):
+            print("编译解码与投机解码用的图（第一次在这台机器上要几十秒，之后从磁盘缓存读）……", flush=True)
+        print(f"预热与校准用了 {warm_up(model, mtp, calibrate=not args.draft_tokens):.1f} 秒\n")
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
 
@@ -74,9 +78,10 @@ def main(argv=None):
     if args.draft_tokens:
         how = f"固定 {args.draft_tokens} 个"
     else:
-        how = (f"自动（按接受率挑 0～4 个；这台机器上每多起草一个 token 约多花一步的 {mtp.draft_cost:.0%}，"
+        how = (f"自动（按接受率挑 0～4 个；刚才量得这台机器上每多起草一个 token 一轮多花一步的 {mtp.draft_cost:.0%}，"
                "接受率低于它时不起草）")
-    print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，"
+    layout = "编译的分块布局" if is_compiled(model) else "oneDNN 打包的布局"
+    print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{layout}，"
           f"每轮起草：{how}\n")
 
     color = sys.stdout.isatty()

@@ -7,6 +7,7 @@ import torch
 
 from .chat import Chat
 from .conversation import Conversation
+from .fast import is_compiled, warm_up
 from .model import Model
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -28,7 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
-    p.add_argument("--compile", action="store_true", help="解码更快的分块布局 + torch.compile（要 C++ 编译器；第一次要编译约半分钟，之后每次启动多几秒）")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="强制用（--compile）或不用（--no-compile）torch.compile 编译的路径；默认这台机器能编译 C++ 就用")
     return p.parse_args(argv)
 
 
@@ -59,6 +61,12 @@ def main(argv=None):
         sys.exit(f"错误：{e}")
     if not args.no_mtp and conversation.mtp is None:
         print("（检查点没有 MTP 草稿头：用普通解码）", file=sys.stderr)
+    if is_compiled(model):  # 编译各张图：第一次在这台机器上要一会儿，之后从磁盘缓存读
+        print("（编译解码用的图……）", end="", file=sys.stderr, flush=True)
+        seconds = warm_up(model, conversation.mtp)
+        print(f"\r（编译解码用的图：{seconds:.1f} 秒）" if seconds > 3 else "\r" + " " * 20 + "\r", file=sys.stderr)
+    elif conversation.mtp is not None:
+        warm_up(model, conversation.mtp)  # 只量一量这台机器上起草的代价
     messages = [{"role": "system", "content": args.system}] if args.system else []
     try:
         if args.prompt is not None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .cache import State
+from .fast import is_compiled, warm_up
 from .model import Model
 from .mtp import MAX_DRAFTS, MTP, speculate
 from .sample import generate, stream
@@ -165,16 +166,19 @@ def prompt_ids(cfg, n, seed=0):
 # ---------- 两个子进程：qwen 与 transformers ----------
 
 
-def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False, seeds: int = 3) -> dict:
+def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool | None = None, seeds: int = 3) -> dict:
     model = Model.from_pretrained(path, dtype=dtype, compile=compile)
     mtp = MTP.from_pretrained(model.cfg, path, dtype=dtype, compile=compile) if spec else None  # 先加载：像真实使用那样一开始就备好
     cfg, out = model.cfg, {}
     out["bytes_per_token"] = bytes_per_token(model)
+    out["compiled"] = is_compiled(model)
     prompt = prompt_ids(cfg, PROMPT_LEN)
     long = prompt_ids(cfg, prefill_len, seed=1)
     with torch.inference_mode():
-        generate(model, prompt, 4)  # 预热：compile=True 时编译解码一个 token 的各层（验证几个草稿的那些由下面投机解码的预热编译）
-        model(long, State(model), last=True)  # compile=True 时编译整段（model.piece 个 token）的层
+        out["warm_up_s"] = warm_up(model, mtp)  # 编译各张图（不算进下面的计时）；有草稿头时量出这台机器上起草的代价
+        out["draft_cost"] = mtp.draft_cost if mtp is not None else None
+        generate(model, prompt, 4)
+        model(long, State(model), last=True)
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
 
     def plain_run(n):  # 普通贪心生成 n 个 token → (总秒数, 解码阶段的秒数：第一个 token 产出之后)
@@ -195,11 +199,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool = False
     if spec:
         seq = prompt[0].tolist() + plain
         runs = []
-        # 预热：compile=True 时投机解码第一次用到的编译（验证 2～5 个 token、记录历史的那一版 DeltaNet 层，
-        # 草稿头送进 1～5 对）不算进下面的计时。草稿全对时每种 k 的验证与下一轮送进的对数都用到
-        for k in range(1, MAX_DRAFTS + 1):
-            speculate(model, OracleDrafter(mtp, seq, 1.0), prompt, 4 * (k + 1), draft_tokens=k)
-        speculate(model, OracleDrafter(mtp, seq, 0.9), prompt, 16)
+        speculate(model, OracleDrafter(mtp, seq, 0.9), prompt, 16)  # 预热：提示词长度的草稿头前向
 
         # 共享的机器上速度会成段地变（实测内存带宽几分钟之内在 30 与 55 GB/s 之间跳，同一组设置的普通贪心
         # 前后两次能差三成），所以每次投机解码前后各测一次普通贪心，加速比只与这两次的平均比。
@@ -301,22 +301,22 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     if args.worker == "qwen":
-        out = run_qwen(args.model, dtype, args.tokens, args.prefill, spec=not args.no_spec, compile=args.compile,
-                       seeds=args.seeds)
+        out = run_qwen(args.model, dtype, args.tokens, args.prefill, spec=not args.no_spec,
+                       compile=False if args.packed else None, seeds=args.seeds)
     else:
         out = run_transformers(args.model, dtype, args.tokens, args.prefill)
     print("RESULT " + json.dumps(out))
 
 
-def child(args, which: str, dtype: str, spec: bool = True, compile: bool = False) -> dict | None:
+def child(args, which: str, dtype: str, spec: bool = True, packed: bool = False) -> dict | None:
     cmd = [sys.executable, "-m", "qwen.bench", "--worker", which, "--model", str(args.model), "--dtype", dtype,
            "--threads", str(args.threads), "--tokens", str(args.tokens), "--prefill", str(args.prefill),
            "--seeds", str(args.seeds)]
     if not spec:
         cmd.append("--no-spec")
-    if compile:
-        cmd.append("--compile")
-        which += " compile=True"
+    if packed:
+        cmd.append("--packed")
+        which += " compile=False"
     print(f"  测 {which}（{dtype}）…", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -324,6 +324,34 @@ def child(args, which: str, dtype: str, spec: bool = True, compile: bool = False
         print(f"  {which}（{dtype}）失败：\n{p.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(line[len("RESULT "):])
+
+
+def find_gguf(args) -> Path | None:
+    """--gguf 给的文件；没给时在模型文件夹里找唯一的一个 .gguf。"""
+    if args.gguf:
+        return Path(args.gguf)
+    found = sorted(Path(args.model).glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
+def run_llama(args, gguf: Path) -> dict | None:
+    """llama.cpp 的 llama-bench，与 qwen 同样的线程数：解码 tokens 个 token（前面已有 32 个 token 的上下文，
+    与 qwen 的提示词一样长）与 prefill 个 token 的预填充。返回 tok/s；找不到程序或失败时打印原因、返回 None。"""
+    exe = Path(args.llama_cpp) / "llama-bench"
+    out = {}
+    for key, flags in (("decode_tok_s", ["-p", "0", "-n", str(args.tokens), "-d", str(PROMPT_LEN)]),
+                       ("prefill_tok_s", ["-p", str(args.prefill), "-n", "0"])):
+        cmd = [str(exe), "-m", str(gguf), "-t", str(args.threads), "-r", "2", "-o", "json"] + flags
+        print(f"  测 llama.cpp {key.split('_')[0]}（{gguf.name}）…", file=sys.stderr, flush=True)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            out[key] = json.loads(p.stdout)[0]["avg_ts"]
+            out["type"] = json.loads(p.stdout)[0]["model_type"]
+        except (OSError, ValueError, IndexError, KeyError) as e:
+            print(f"  llama.cpp 失败（{' '.join(cmd)}）：{type(e).__name__} {e}\n{getattr(p, 'stderr', '')[-1000:]}",
+                  file=sys.stderr)
+            return None
+    return out
 
 
 def merge_rounds(results: list) -> dict:
@@ -347,7 +375,7 @@ def ideal(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-VARIANTS = {"qwen": "", "qwen_compile": " compile=True"}  # 每种 dtype 测的 qwen：默认的打包布局；可选的分块布局加编译
+VARIANTS = {"qwen": "", "qwen_packed": " compile=False"}  # 每种 dtype 测的 qwen：默认（能编译就编译）；oneDNN 打包的布局
 
 
 def report(res: dict) -> str:
@@ -377,6 +405,19 @@ def report(res: dict) -> str:
             notes.append(f"{dtype}{label}：各轮解码 tok/s：qwen {rounds}；按整个运行里最高的带宽算，下限 {top:.1f} tok/s，"
                          f"解码占 {q['decode_tok_s'] / top:.0%}")
     lines += ["", f"整个运行里测到的最高读带宽 {res['machine_bandwidth_gb_s']:.1f} GB/s。"] + notes
+    for dtype, r in res["runs"].items():
+        ll = r.get("llama_cpp")
+        if not ll:
+            continue
+        lines += ["", f"llama.cpp（{ll['type']}，{Path(ll['file']).name}，llama-bench，同样的线程数，与 qwen 轮流测，各取最快）：",
+                  "| | 解码 tok/s（32 个 token 的上下文之后） | 预填充 tok/s |", "|---|---|---|",
+                  f"| llama.cpp | {ll['decode_tok_s']:.1f} | {ll['prefill_tok_s']:.0f} |"]
+        for key, label in VARIANTS.items():
+            q = r.get(key)
+            if q:
+                pre = res["prefill_len"] / q["prefill_s"]
+                lines.append(f"| qwen {dtype}{label} | {q['decode_tok_s']:.1f}（{q['decode_tok_s'] / ll['decode_tok_s']:.2f}×） | "
+                             f"{pre:.0f}（{pre / ll['prefill_tok_s']:.2f}×） |")
     for dtype, r in res["runs"].items():
         for key, label in VARIANTS.items():
             spec = (r.get(key) or {}).get("spec")
@@ -413,10 +454,10 @@ def plot(res: dict, file: Path) -> bool:
         ax.plot(grid, [ideal(a, k) for a in grid], ":", color=color, alpha=0.6)
     auto = [s for s in spec if s["k"] == "auto"]
     ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s-", color="k", label="auto k")
-    compiled = (res["runs"]["bfloat16"].get("qwen_compile") or {}).get("spec") or []
-    auto = [s for s in compiled if s["k"] == "auto"]
+    packed = (res["runs"]["bfloat16"].get("qwen_packed") or {}).get("spec") or []
+    auto = [s for s in packed if s["k"] == "auto"]
     if auto:
-        ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s--", color="C4", label="auto k, compile=True")
+        ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s--", color="C4", label="auto k, compile=False")
     course = [s for s in spec if s["course"]]
     ax.plot([s["a"] for s in course], [s["speedup"] for s in course], "x--", color="C3", label="course (k=1)")
     ax.axhline(1.0, color="gray", lw=0.8)
@@ -449,14 +490,17 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=64, help="每次解码的新 token 数")
     p.add_argument("--prefill", type=int, default=512, help="预填充的提示词长度")
     p.add_argument("--no-transformers", action="store_true", help="不测 transformers")
-    p.add_argument("--no-compile", action="store_true", help="不测 compile=True 的 qwen（它要 C++ 编译器）")
+    p.add_argument("--llama-cpp", metavar="DIR", default=None,
+                   help="同时测 llama.cpp：DIR 里有 llama-bench（与第一种 dtype 的 qwen 轮流测，报告比值）")
+    p.add_argument("--gguf", default=None, help="llama.cpp 用的 GGUF 文件（默认：模型文件夹里唯一的 .gguf）")
+    p.add_argument("--no-packed", action="store_true", help="不另测 compile=False（oneDNN 打包的布局）的 qwen")
     p.add_argument("--seeds", type=int, default=3, help="投机解码的每组设置测几次（草稿器的随机种子不同；自动挑 k 测两倍），加起来算加速比")
     p.add_argument("--rounds", type=int, default=2, help="qwen 与 transformers 轮流测几轮（各取最快的一轮）")
     p.add_argument("--json", default="bench.json")
     p.add_argument("--png", default="bench.png")
     p.add_argument("--worker", choices=["qwen", "transformers"], help=argparse.SUPPRESS)
     p.add_argument("--no-spec", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -470,6 +514,9 @@ def main(argv=None):
     else:
         args.model = find_model(args.model)
         name = str(args.model)
+    gguf = find_gguf(args) if args.llama_cpp else None
+    if args.llama_cpp and gguf is None:
+        sys.exit(f"错误：--llama-cpp 要一个 GGUF 文件：用 --gguf 指定（{args.model} 里没有唯一的 .gguf）")
     has_hf = not args.no_transformers
     if has_hf:
         try:
@@ -483,23 +530,26 @@ def main(argv=None):
     for dtype in dtypes:
         # qwen 与 transformers 轮流测 rounds 轮，各取最快的一轮：共享机器的快慢时段两边都有机会碰上。
         # 第一轮的 qwen 子进程还测投机解码与峰值内存
-        # compile=True 的 qwen 也在同一轮里测（--no-compile 不测）
-        qs, cs, hs = [], [], []
+        # compile=False（打包的布局）的 qwen 也在同一轮里测（--no-packed 不测）
+        qs, cs, hs, ls = [], [], [], []
         for r in range(args.rounds):
             spec = r == 0 and (dtype == "bfloat16" or len(dtypes) == 1)
             q = child(args, "qwen", dtype, spec=spec)
             qs += [q] if q is not None else []
-            c = child(args, "qwen", dtype, spec=spec, compile=True) if not args.no_compile and (r == 0 or cs) else None
+            c = child(args, "qwen", dtype, spec=spec, packed=True) if not args.no_packed and (r == 0 or cs) else None
             cs += [c] if c is not None else []
             h = child(args, "transformers", dtype) if has_hf and (r == 0 or hs) else None
             hs += [h] if h is not None else []
+            if gguf is not None and dtype == dtypes[0] and (r == 0 or ls):
+                lr = run_llama(args, gguf)
+                ls += [lr] if lr is not None else []
         if not qs:
             continue
         q = merge_rounds(qs)
         run = {"qwen": q}
         if cs:
-            c = run["qwen_compile"] = merge_rounds(cs)
-            run["compile_agreement"] = sum(a == b for a, b in zip(q["plain_tokens"], c["plain_tokens"])) / len(q["plain_tokens"])
+            c = run["qwen_packed"] = merge_rounds(cs)
+            run["packed_agreement"] = sum(a == b for a, b in zip(q["plain_tokens"], c["plain_tokens"])) / len(q["plain_tokens"])
             del c["plain_tokens"]
         if hs:
             h = merge_rounds(hs)
@@ -507,6 +557,10 @@ def main(argv=None):
             same = sum(a == b for a, b in zip(q["plain_tokens"], h["tokens"]))
             run["greedy_agreement"] = same / len(h["tokens"])
             del h["tokens"]
+        if ls:  # 各轮里最快的那次
+            run["llama_cpp"] = dict(type=ls[0]["type"], file=str(gguf), decode_tok_s=max(x["decode_tok_s"] for x in ls),
+                                    prefill_tok_s=max(x["prefill_tok_s"] for x in ls),
+                                    decode_rounds=[x["decode_tok_s"] for x in ls], prefill_rounds=[x["prefill_tok_s"] for x in ls])
         del q["plain_tokens"]
         res["runs"][dtype] = run
     bandwidths.append(read_bandwidth())

@@ -95,12 +95,13 @@ class Model(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        compile: bool = False) -> "Model":
+                        compile: bool | None = None) -> "Model":
         """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。
 
         pack=False 时就是本章的普通模型（nn.Linear、nn.Parameter），dtype 默认 float32，可以训练、修改权重。
-        默认 pack=True 再交给附录 qwen.fast 变换一遍：CPU 上把矩阵换成读得更快的布局，dtype 默认 bfloat16（CPU 支持时）；
-        compile=True 换成附录里要 torch.compile 编译的布局。变换只影响速度与内存，输出只差浮点舍入。
+        默认再交给附录 qwen.fast 变换一遍，dtype 默认 bfloat16（CPU 支持时）：这台机器能编译 C++ 时（compile=None，
+        只试一次、记在磁盘上）换成 torch.compile 编译的布局，否则 oneDNN 打包的布局；compile=True、False 强制其一。
+        变换只影响速度与内存，输出只差浮点舍入。
         """
         path = find_model(path)
         with torch.device("meta"):
@@ -109,7 +110,7 @@ class Model(nn.Module):
         return load_pretrained(model, path, "model.", dtype, pack, compile, "文本模型")
 
 
-def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compile: bool, what: str):
+def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compile, what: str):
     """读出检查点的一部分（第 1 章），核对名字与形状，用 load_state_dict(assign=True) 把张量直接装进 meta 设备上的
     骨架；pack 或 compile 时再交给附录 qwen.fast 变换。Model 与第 14 章的 MTP 草稿头都这样加载。"""
     fast = None

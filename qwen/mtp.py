@@ -82,7 +82,7 @@ class MTP(nn.Module):
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        draft_vocab: int | None = DRAFT_VOCAB, compile: bool = False) -> "MTP":
+                        draft_vocab: int | None = DRAFT_VOCAB, compile: bool | None = None) -> "MTP":
         """读检查点里的 mtp.*。draft_vocab：起草时只给前这么多个 token 打分（None 为全词表）；pack、compile 同 Model。"""
         with torch.device("meta"):
             mtp = cls(cfg)

@@ -26,8 +26,8 @@ def test_random_checkpoint_has_the_released_layout(tmp_path):
     assert "model.language_model.embed_tokens.weight" in names and "lm_head.weight" not in names
     assert any(n.startswith("mtp.layers.0.") for n in names) and len(safetensors_files(path)) == 1
     assert load_config(path) == cfg
-    model = Model.from_pretrained(path, dtype=torch.float32)
-    MTP.from_pretrained(cfg, path, dtype=torch.float32)
+    model = Model.from_pretrained(path, dtype=torch.float32, compile=False)
+    MTP.from_pretrained(cfg, path, dtype=torch.float32, compile=False)
     with torch.no_grad():
         layer = model.layers[0].linear_attn
         assert (layer.A_log.exp() >= 1).all() and layer.dt_bias.abs().sum() > 0
@@ -47,7 +47,7 @@ def test_bytes_per_token_from_the_shapes(tiny):
     matrices = 3 * deltanet + attention + c.num_hidden_layers * 3 * h * c.intermediate_size + c.vocab_size * h
     small = 3 * (qkv * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads + c.linear_value_head_dim)  # 卷积核、A_log、dt_bias、门控 norm
     small += 2 * c.head_dim + c.num_hidden_layers * 2 * h + h  # q_norm、k_norm；每层两个 norm；最后的 norm
-    for dtype, pack, compile in ((torch.bfloat16, True, False), (torch.float32, False, False), (torch.float32, True, True)):
+    for dtype, pack, compile in ((torch.bfloat16, True, False), (torch.float32, False, None), (torch.float32, True, True)):
         model = Model.from_pretrained(tiny[0], dtype=dtype, pack=pack, compile=compile)
         assert bytes_per_token(model) == (matrices + h) * dtype.itemsize + 4 * small
 
@@ -64,13 +64,24 @@ def test_ideal_speedup():
     assert ideal(0.5, 1) == 1.5 and abs(ideal(0.9, 3) - 3.439) < 1e-9
 
 
+FAKE_LLAMA_BENCH = """#!/bin/sh
+# 假的 llama-bench：按 -n 是不是 0 报预填充或解码的速度（测 bench 怎么调它、怎么读它的 JSON）
+case "$*" in *"-n 0"*) ts=400 ;; *) ts=20 ;; esac
+echo '[{"model_type": "qwen35 test F32", "avg_ts": '$ts'}]'
+"""
+
+
 def test_bench_runs_end_to_end(lively, tmp_path):
-    """一次小规模运行（float32：这时与 transformers、与 compile=True 的贪心输出都应逐 token 相同）：两个布局、
-    transformers、投机解码的全部组合，写出 JSON，并且报告能读。"""
+    """一次小规模运行（float32：这时与 transformers、与 compile=False 的贪心输出都应逐 token 相同）：两个布局、
+    transformers、llama.cpp（一个假的 llama-bench）、投机解码的全部组合，写出 JSON，并且报告能读。"""
     out = tmp_path / "b.json"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH)
+    fake.chmod(0o755)
     p = subprocess.run(
         [sys.executable, "-m", "qwen.bench", "--model", str(lively[0]), "--tokens", "6", "--prefill", "16",
-         "--seeds", "2", "--dtype", "float32", "--json", str(out), "--png", str(tmp_path / "b.png")],
+         "--seeds", "2", "--dtype", "float32", "--json", str(out), "--png", str(tmp_path / "b.png"),
+         "--llama-cpp", str(tmp_path), "--gguf", str(tmp_path / "x.gguf")],
         capture_output=True, text=True, timeout=600,
     )
     assert p.returncode == 0, p.stderr
@@ -79,8 +90,12 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     assert run["qwen"]["decode_tok_s"] > 0 and run["transformers"]["decode_tok_s"] > 0
     assert run["qwen"]["peak_rss_gb"] > 0 and run["qwen"]["bandwidth_gb_s"] > 0
     assert len(run["qwen"]["decode_rounds"]) == len(run["transformers"]["decode_rounds"]) == 2
-    assert len(run["qwen_compile"]["decode_rounds"]) == 2 and run["qwen_compile"]["decode_tok_s"] > 0
-    for key in ("qwen", "qwen_compile"):
+    assert len(run["qwen_packed"]["decode_rounds"]) == 2 and run["qwen_packed"]["decode_tok_s"] > 0
+    assert run["qwen"]["compiled"] and not run["qwen_packed"]["compiled"]  # 默认：这台机器能编译就编译
+    assert 0 < run["qwen"]["draft_cost"] < 10  # 加载后量出的起草代价
+    ll = run["llama_cpp"]
+    assert (ll["decode_tok_s"], ll["prefill_tok_s"], ll["decode_rounds"]) == (20, 400, [20, 20])
+    for key in ("qwen", "qwen_packed"):
         spec = run[key]["spec"]
         assert len(spec) == 9 + 4 + 3
         assert all(s["same_prefix"] == 6 for s in spec)  # 受控接受率的草稿器下，输出仍与贪心相同
@@ -89,8 +104,9 @@ def test_bench_runs_end_to_end(lively, tmp_path):
             if s["k"] == 1:  # 每轮只起草一个：第一个草稿位置的接受率就是总的接受率
                 assert s["first_acceptance"] == s["acceptance"]
             assert 0 < s["seconds"] < s["seconds_total"] and 0 < s["plain_seconds"] < s["plain_seconds_total"]
-    assert run["compile_agreement"] == 1.0 and run["greedy_agreement"] == 1.0  # 两种布局、transformers 逐 token 相同
-    assert "投机解码" in p.stdout and "| float32 |" in p.stdout and "| float32 compile=True |" in p.stdout
+    assert run["packed_agreement"] == 1.0 and run["greedy_agreement"] == 1.0  # 两种布局、transformers 逐 token 相同
+    assert "投机解码" in p.stdout and "| float32 |" in p.stdout and "| float32 compile=False |" in p.stdout
+    assert f"| qwen float32 | {run['qwen']['decode_tok_s']:.1f}（{run['qwen']['decode_tok_s'] / 20:.2f}×） |" in p.stdout
     assert report(res).splitlines()[0].startswith("机器：")
 
 

@@ -82,7 +82,7 @@ def test_bad_messages(messages, error):
 
 @pytest.fixture(scope="module")
 def model(lively):
-    return Model.from_pretrained(lively[0], dtype=torch.float32)
+    return Model.from_pretrained(lively[0], dtype=torch.float32, compile=False)
 
 
 TURNS = ["你好，介绍一下长江。", "再写 200 字。", "谢谢 🚀"]
@@ -174,7 +174,7 @@ def test_reply_takes_the_checkpoint_defaults(lively, model, tmp_path):
 
 def run_cli(path, *args):
     out = subprocess.run([sys.executable, "-m", "qwen", "你好", "--model", str(path), "--max-new-tokens", "12",
-                          "--dtype", "float32", *args], capture_output=True, text=True, timeout=120)
+                          "--dtype", "float32", "--no-compile", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out
 

@@ -18,7 +18,7 @@ LENGTHS = [1, 2, 63, 64, 65, 130]
 @pytest.fixture(scope="module")
 def packed_model(tiny):
     """默认加载：矩阵打包成 oneDNN 布局（累加顺序不同，差在 float32 舍入的量级）。"""
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=False)
     mlp = model.layers[0].mlp
     assert isinstance(mlp.gate_up, PackedLinear) and not hasattr(mlp, "up_proj")  # gate、up 拼成一个打包的矩阵
     assert isinstance(mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
@@ -86,6 +86,47 @@ def test_compiled_decode_does_not_recompile(compiled_model):
 
 
 
+def test_compiled_speculation_equals_greedy_without_recompiling(compiled_model, tiny_model, tiny):
+    """默认（能编译时）的路径：warm_up 编译好解码、验证 1～4 个草稿、草稿头送进 1～5 对的各张图，并量出起草的代价；
+    之后投机解码（固定 k 与自动挑 k）与普通布局的贪心逐 token 相同，并且不再编译任何图。"""
+    from torch._dynamo.utils import counters
+
+    from qwen.fast import FastMTP, warm_up
+    from qwen.mtp import MTP, speculate
+    from qwen.sample import generate
+
+    mtp = MTP.from_pretrained(compiled_model.cfg, tiny[0], dtype=torch.float32, draft_vocab=300)
+    assert isinstance(mtp, FastMTP) and mtp.step is not None
+    assert warm_up(compiled_model, mtp) > 0 and 0.01 <= mtp.draft_cost < 10
+    before = counters["stats"]["unique_graphs"]
+    for T, k in ((9, 1), (40, 2), (12, 3), (30, 4), (70, None)):
+        ids = prompt(512, T, seed=700 + T)
+        r = speculate(compiled_model, mtp, ids, 30, draft_tokens=k)
+        assert r.tokens == generate(tiny_model, ids, 30) and r.drafted > 0
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_compiler_check_is_cached_on_disk(tiny, tmp_path, monkeypatch):
+    """compile=None（默认）时先问 can_compile：第一次真的试着编译，结果记在 $XDG_CACHE_HOME/qwen/compiler.json，
+    之后不再试；编译不了就用 oneDNN 打包的布局，不报错。"""
+    import qwen.fast.linear as linear
+
+    tries = []
+
+    def broken(dtype=torch.float32):
+        tries.append(dtype)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(linear, "compile_matvec", broken)
+    assert not linear.can_compile() and not linear.can_compile() and len(tries) == 1
+    assert '"works": false' in (tmp_path / "qwen" / "compiler.json").read_text()
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    assert isinstance(model.lm_head, PackedLinear) and len(tries) == 1
+    (tmp_path / "qwen" / "compiler.json").write_text("{不是 JSON")  # 坏的记录：重新试
+    assert not linear.can_compile() and len(tries) == 2
+
+
 @pytest.mark.parametrize("which,tol", [("tiny_model", 1e-4), ("compiled_model", 1e-3)])
 def test_long_prompt_is_fed_in_pieces(tiny_model, request, which, tol):
     """带状态时长于一段（model.piece）的输入分段喂进去（第 10 章）：logits 与普通布局无状态的一次性前向相同。
@@ -110,7 +151,7 @@ def test_long_prompt_is_fed_in_pieces(tiny_model, request, which, tol):
 def test_bfloat16_greedy_agrees_with_float32(widths08b):
     path, _ = widths08b
     m32 = Model.from_pretrained(path, dtype=torch.float32, pack=False)
-    m16 = Model.from_pretrained(path, dtype=torch.bfloat16)
+    m16 = Model.from_pretrained(path, dtype=torch.bfloat16, compile=False)
     assert m16.layers[0].linear_attn.out_proj.dtype == torch.bfloat16
     assert m16.layers[0].linear_attn.A_log.dtype == torch.float32
     ids = prompt(m32.cfg.vocab_size, 64, seed=3)
@@ -149,7 +190,7 @@ def test_row_reader_matches_safetensors(tmp_path, dtype):
 
 def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
     """打包后嵌入表不在内存里：查表从文件读出的行与普通模型的嵌入逐位相同。"""
-    packed = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    packed = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=False)
     assert not hasattr(packed.embed_tokens, "weight") and not hasattr(packed.lm_head, "weight")
     ids = prompt(packed.cfg.vocab_size, 9, seed=5)
     assert torch.equal(packed.embed_tokens(ids), tiny_model.embed_tokens(ids))

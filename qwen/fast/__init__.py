@@ -12,12 +12,17 @@
 变换只影响速度与内存，输出只差浮点舍入（测试逐 token 核对）。每条快路径为什么快、快多少，见 docs/performance.md。
 """
 
+import time
+
 import torch
 from torch import nn
 
-from ..mtp import MTP
+from ..attention import AttentionState
+from ..cache import State, copy_state, keep_history
+from ..mtp import MAX_DRAFTS, MTP, SpecResult, stream_mtp
+from ..sample import stream
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
-from .linear import BLOCK, COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_pack, compile_matvec, fast_linear, gemv
+from .linear import BLOCK, COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec, fast_linear, gemv
 from .rows import FileEmbedding, RowReader, tensor_file
 from .step import FastModel, reserve
 
@@ -34,10 +39,14 @@ def preferred_dtype() -> torch.dtype:
     return torch.float32
 
 
-def speedup(module, path, compile: bool = False):
-    """变换一个已加载的 Model 或 MTP（path 是它的检查点文件夹），返回同一个对象。这台机器用不了时原样返回。"""
+def speedup(module, path, compile: bool | None = None):
+    """变换一个已加载的 Model 或 MTP（path 是它的检查点文件夹），返回同一个对象。这台机器用不了时原样返回。
+    compile=None：能编译（can_compile，结果记在磁盘上）就用编译的分块布局，否则 oneDNN 打包的布局；True、False 强制其一。"""
     some = next(m.weight for m in module.modules() if isinstance(m, nn.Linear))
-    if some.device.type != "cpu" or not (compile or can_pack(some)):
+    if some.device.type != "cpu":
+        return module
+    compile = can_compile() if compile is None else compile
+    if not (compile or can_pack(some)):
         return module
     kernel = compile_matvec(some.dtype) if compile else None
     if isinstance(module, MTP):
@@ -66,8 +75,8 @@ class FastMTP(MTP):
         pos = torch.tensor(start)
         reserve(state, start + T)
         state.offset = pos
-        try:
-            out = self.step(emb_next, hidden, pos, state)
+        try:  # 按 [T, h] 重排成标准步长再进图：切片的步长各不相同，图会按步长特化
+            out = self.step(emb_next.reshape(T, -1)[None], hidden.reshape(T, -1)[None], pos, state)
         finally:
             state.offset = None
         state.length += T
@@ -106,3 +115,60 @@ def num_params(module: nn.Module) -> int:
     """参数个数，换了布局、不再是 nn.Parameter 的矩阵也算上。"""
     fast = sum(m.out_features * m.in_features for m in module.modules() if isinstance(m, (PackedLinear, BlockedLinear)))
     return sum(p.numel() for p in module.parameters()) + fast
+
+
+def is_compiled(model) -> bool:
+    """model 走不走编译的路径（分块布局、整步编译的图）。"""
+    return isinstance(model, FastModel)
+
+
+@torch.inference_mode()
+def warm_up(model, mtp=None, calibrate: bool = True) -> float:
+    """把解码与投机解码要用的图都编译好（第一次在这台机器上要一会儿，之后从磁盘缓存读），返回用了几秒。
+    calibrate 且有草稿头时，再量一量一轮投机解码在这台机器上比一步普通解码贵多少，设给 mtp.draft_cost（见 measure_draft_cost）。
+    不编译的布局（打包、普通）没有图要编译，只做校准。"""
+    t0 = time.perf_counter()
+    ids = torch.arange(1, 9)[None] % model.cfg.vocab_size  # 随便 8 个 token
+    state = State(model)
+    hidden = model.hidden(ids, state)  # 预填充（8 行的 matvec）
+    if is_compiled(model):
+        for T in model.step_lengths:  # 解码 1 个 token；验证 1～4 个草稿（记历史的那一版）
+            s = copy_state(state)
+            if T > 1:
+                keep_history(s)
+            model(ids[:, :T], s)
+    if mtp is not None and isinstance(mtp, FastMTP) and mtp.step is not None:
+        cache = AttentionState()
+        mtp(model.embed_tokens(ids), hidden, 0, cache)  # 草稿头读提示词（不编译）
+        for T in DECODE_LENGTHS:  # 起草一个 token；送进上一轮留下的几对
+            c = copy_state(cache)
+            mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
+        mtp.draft_logits(model, hidden[:, :1])
+    if mtp is not None and calibrate:
+        mtp.draft_cost = measure_draft_cost(model, mtp, ids)
+    return time.perf_counter() - t0
+
+
+def measure_draft_cost(model, mtp, ids, rounds: int = 3) -> float:
+    """这台机器上每多起草一个 token，一轮投机解码多花几步普通解码（第 14 章 best_draft_count 的 cost）。
+    量的是真实的循环：普通解码每产出一个 token 的间隔 t₀；固定起草 k = 1…4 个时每一轮（起草、验证、提交）的间隔 t，
+    记下这一轮真的起草了几个（预算快用完时会少）。按 t / t₀ = 1 + cost·k 做最小二乘。头两次产出不算：
+    一次是预填充，一次是草稿头第一次读提示词（不走编译的图）。"""
+    def gaps(generator):
+        times, t = [], None
+        for _ in generator:
+            now = time.perf_counter()
+            times.append(None if t is None else now - t)
+            t = now
+        return times[2:]  # 第 0 个是预填充结束，第 1 个间隔含草稿头读提示词
+
+    plain = sorted(gaps(stream(model, ids, rounds + 3)))
+    t0 = plain[len(plain) // 2]  # 中位数：机器上别的进程插进来的那几步不算
+    xs, ys = [], []
+    for k in range(1, MAX_DRAFTS + 1):
+        r = SpecResult()
+        times = gaps(stream_mtp(model, mtp, ids, 2 + rounds * (k + 1), draft_tokens=k, result=r))
+        for (drafted, _, _), t in zip(r.trace[1:], times):
+            xs.append(drafted)
+            ys.append(t / t0 - 1)
+    return max(sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1), 0.01)

@@ -14,6 +14,11 @@
 所有布局只影响速度，输出只差浮点舍入。性能数字见 docs/performance.md。
 """
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,9 +95,47 @@ def compile_matvec(dtype: torch.dtype = torch.float32):
     except Exception as e:
         raise RuntimeError(
             f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
-            f"{type(e).__name__}: {str(e)[:300]}。不加 compile=True 就用默认的 oneDNN 打包布局。"
+            f"{type(e).__name__}: {str(e)[:300]}。compile=False 就用 oneDNN 打包的布局。"
         ) from None
     return kernel
+
+
+def compiler_record() -> Path:
+    """记下“这台机器能不能编译”的文件：$XDG_CACHE_HOME/qwen/compiler.json（默认 ~/.cache/qwen/）。"""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen" / "compiler.json"
+
+
+def can_compile() -> bool:
+    """from_pretrained 默认（compile=None）用不用编译的分块布局：torch.compile 能在这台机器上生成并编译 C++ 才用。
+    第一次真的编译一个小 matvec 试试，结果按 torch 版本与编译器（路径、修改时间）记在 compiler_record() 里：
+    之后加载不再试；装上或换了编译器、换了 torch，记录对不上，就重新试一次。"""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        cxx = shutil.which(get_cpp_compiler())
+    except Exception:  # 找不到任何 C++ 编译器时 inductor 自己就报错
+        cxx = None
+    if cxx is None:
+        return False
+    key = f"torch {torch.__version__} · {cxx} · {os.stat(cxx).st_mtime_ns}"
+    file = compiler_record()
+    try:
+        record = json.loads(file.read_text())
+        if record.get("key") == key:
+            return bool(record["works"])
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass  # 没有记录或记录坏了：重新试
+    try:
+        compile_matvec(torch.float32)
+        works = True
+    except RuntimeError:
+        works = False
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps({"key": key, "works": works}))
+    except OSError:
+        pass  # 写不了（只读的家目录）：下次再试，结果一样
+    return works
 
 
 class BlockedLinear(nn.Module):
@@ -111,11 +154,13 @@ class BlockedLinear(nn.Module):
         if M > KERNEL_ROWS:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
             y = F.linear(x2, from_blocks(self.blocks, self.out_features), self.bias)
         else:
-            if M <= BLOCK_ROWS:
+            if M > 1 and not torch.compiler.is_compiling():  # 图外（预填充的短段）：补零行到 8 的倍数，只用 1 行、8 行两种内核
+                x2 = F.pad(x2, (0, 0, 0, -M % BLOCK_ROWS))
+            if x2.shape[0] <= BLOCK_ROWS:
                 y = self.kernel(x2, self.blocks)  # [M, ⌈out/32⌉·32]
             else:  # 每 8 行一段（复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译）
                 y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks) for i in range(0, M, BLOCK_ROWS)])
-            y = y[:, : self.out_features]  # [M, out]：去掉补的零行
+            y = y[:M, : self.out_features]  # [M, out]：去掉补的零行与零列
             y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)
 

@@ -12,10 +12,29 @@
 import torch
 
 from ..attention import AttentionState
+from ..deltanet import DeltaNetState
 from ..layer import DecoderLayer
 from ..model import Model
 from ..rope import rope_tables
 from .linear import COMPILE_OPTIONS
+
+@torch.compiler.nested_compile_region
+def deltanet_layer(layer, x, conv, S, keep: bool):
+    """图里的一个 DeltaNet 层：同样结构的层只编译一次、各层重复调用（nested_compile_region）。这样的区域不能就地改输入，
+    所以 S 先复制一份再交给就地更新的递推（读一遍旧 S、写一遍新 S，与不就地的写法一样多）；新的状态作为输出带出来。"""
+    s = DeltaNetState()
+    s.conv, s.S, s.keep_history = conv, S.clone(), keep
+    x = DecoderLayer.forward(layer, x, None, None, s)
+    return x, s.conv, s.S, s.history
+
+
+@torch.compiler.nested_compile_region
+def attention_layer(layer, x, cos, sin, k_buf, v_buf, pos):
+    """图里的一个注意力层（同样只编译一次）：KV 缓存的写读在 cached_attention 里。"""
+    s = AttentionState()
+    s.k_buf, s.v_buf, s.offset = k_buf, v_buf, pos
+    return DecoderLayer.forward(layer, x, cos, sin, s)
+
 
 def reserve(state: AttentionState, n: int) -> None:
     """让已有的 KV 缓冲区至少容得下 n 个位置（与第 6 章的 append 一样按倍数扩容）。扩容发生在图外；
@@ -43,7 +62,10 @@ class FastModel(Model):
         """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos 是 0 维张量，states 是各层的状态。"""
         cos, sin = rope_tables(self.cfg, pos + torch.arange(x.shape[1], device=x.device))
         for layer, s in zip(self.layers, states):
-            x = DecoderLayer.forward(layer, x, cos, sin, s)
+            if isinstance(s, AttentionState):
+                x = attention_layer(layer, x, cos, sin, s.k_buf, s.v_buf, s.offset)
+            else:
+                x, s.conv, s.S, s.history = deltanet_layer(layer, x, s.conv, s.S, s.keep_history)
         return self.norm(x)
 
     def hidden(self, ids, state=None):
