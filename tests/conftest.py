@@ -1,3 +1,6 @@
+import os
+import tempfile
+
 import pytest
 import torch
 from hypothesis import settings
@@ -5,6 +8,8 @@ from hypothesis import settings
 from checkpoints import WIDTHS_08B, make_checkpoint
 
 torch.set_num_threads(2)
+# 附录记在磁盘上的测量（能不能编译、起草的代价）写进本次测试自己的目录，不碰用户的 ~/.cache/qwen
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="qwen-test-cache-")
 settings.register_profile("deterministic", derandomize=True, deadline=None)  # 同样的例子，每次都一样
 settings.load_profile("deterministic")
 

@@ -22,7 +22,8 @@ from ..cache import State, copy_state, keep_history
 from ..mtp import MAX_DRAFTS, MTP, SpecResult, stream_mtp
 from ..sample import stream
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
-from .linear import BLOCK, COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec, fast_linear, gemv
+from .linear import (BLOCK, COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
+                     fast_linear, gemv, read_record, write_record)
 from .rows import FileEmbedding, RowReader, tensor_file
 from .step import FastModel, reserve
 
@@ -125,7 +126,8 @@ def is_compiled(model) -> bool:
 @torch.inference_mode()
 def warm_up(model, mtp=None, calibrate: bool = True) -> float:
     """把解码与投机解码要用的图都编译好（第一次在这台机器上要一会儿，之后从磁盘缓存读），返回用了几秒。
-    calibrate 且有草稿头时，再量一量一轮投机解码在这台机器上比一步普通解码贵多少，设给 mtp.draft_cost（见 measure_draft_cost）。
+    calibrate 且有草稿头时，再量一量一轮投机解码在这台机器上比一步普通解码贵多少，设给 mtp.draft_cost（见 measure_draft_cost）；
+    量出的值按模型的配置、dtype、布局、线程数记在 record_file("draft_cost.json") 里，之后直接用（删掉这个文件就重新量）。
     不编译的布局（打包、普通）没有图要编译，只做校准。"""
     t0 = time.perf_counter()
     ids = torch.arange(1, 9)[None] % model.cfg.vocab_size  # 随便 8 个 token
@@ -145,7 +147,13 @@ def warm_up(model, mtp=None, calibrate: bool = True) -> float:
             mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
         mtp.draft_logits(model, hidden[:, :1])
     if mtp is not None and calibrate:
-        mtp.draft_cost = measure_draft_cost(model, mtp, ids)
+        key = (f"{model.cfg} · {model.dtype} · {type(model.lm_head).__name__} · 草稿词表 {mtp.draft_vocab} · "
+               f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
+        cost = read_record("draft_cost.json", key)
+        if not isinstance(cost, float):  # 这台机器上没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）
+            cost = measure_draft_cost(model, mtp, ids)
+            write_record("draft_cost.json", key, cost)
+        mtp.draft_cost = cost
     return time.perf_counter() - t0
 
 

@@ -27,6 +27,7 @@ PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
 BLOCK = 32  # 分块布局每块的输出个数
 BLOCK_ROWS = 8  # 编译的 matvec_blocks 一次最多乘这么多行（解码 1 行，验证 k 个草稿 k + 1 行）
 SPLIT = 4  # 一行输入时 matvec_blocks 把输入维分成几段、各用一个累加器
+WARM_ROWS = 5  # 1～5 行（解码、验证 1～4 个草稿）的内核由 warm_up 编译好；更多的行补到 8 的倍数，不再编译别的行数
 KERNEL_ROWS = 32  # 不超过这么多行时每 8 行一段用 matvec_blocks；更多行时拼回普通布局（拼回一次有固定的代价）
 COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}  # 生成的 C++ 里允许把乘、加合成 FMA
 
@@ -100,14 +101,38 @@ def compile_matvec(dtype: torch.dtype = torch.float32):
     return kernel
 
 
-def compiler_record() -> Path:
-    """记下“这台机器能不能编译”的文件：$XDG_CACHE_HOME/qwen/compiler.json（默认 ~/.cache/qwen/）。"""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen" / "compiler.json"
+def record_file(name: str) -> Path:
+    """记在磁盘上的测量结果（能不能编译、起草的代价）：$XDG_CACHE_HOME/qwen/<name>（默认 ~/.cache/qwen/）。"""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen" / name
+
+
+def read_record(name: str, key: str):
+    """record_file(name) 里 key 对应的值；没有记录、记录坏了或 key 对不上时 None。"""
+    try:
+        record = json.loads(record_file(name).read_text())
+        return record.get(key) if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(name: str, key: str, value) -> None:
+    """把 key → value 加进 record_file(name)；写不了（只读的家目录）就算了，下次再测一遍。"""
+    file = record_file(name)
+    try:
+        record = json.loads(file.read_text())
+        record = record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        record = {}
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(record | {key: value}, ensure_ascii=False, indent=1))
+    except OSError:
+        pass
 
 
 def can_compile() -> bool:
     """from_pretrained 默认（compile=None）用不用编译的分块布局：torch.compile 能在这台机器上生成并编译 C++ 才用。
-    第一次真的编译一个小 matvec 试试，结果按 torch 版本与编译器（路径、修改时间）记在 compiler_record() 里：
+    第一次真的编译一个小 matvec 试试，结果按 torch 版本与编译器（路径、修改时间）记在 record_file("compiler.json") 里：
     之后加载不再试；装上或换了编译器、换了 torch，记录对不上，就重新试一次。"""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
@@ -118,23 +143,14 @@ def can_compile() -> bool:
     if cxx is None:
         return False
     key = f"torch {torch.__version__} · {cxx} · {os.stat(cxx).st_mtime_ns}"
-    file = compiler_record()
-    try:
-        record = json.loads(file.read_text())
-        if record.get("key") == key:
-            return bool(record["works"])
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass  # 没有记录或记录坏了：重新试
-    try:
-        compile_matvec(torch.float32)
-        works = True
-    except RuntimeError:
-        works = False
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps({"key": key, "works": works}))
-    except OSError:
-        pass  # 写不了（只读的家目录）：下次再试，结果一样
+    works = read_record("compiler.json", key)
+    if works is None:  # 没有记录（或编译器、torch 换了）：试一次
+        try:
+            compile_matvec(torch.float32)
+            works = True
+        except RuntimeError:
+            works = False
+        write_record("compiler.json", key, works)
     return works
 
 
@@ -154,7 +170,7 @@ class BlockedLinear(nn.Module):
         if M > KERNEL_ROWS:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
             y = F.linear(x2, from_blocks(self.blocks, self.out_features), self.bias)
         else:
-            if M > 1 and not torch.compiler.is_compiling():  # 图外（预填充的短段）：补零行到 8 的倍数，只用 1 行、8 行两种内核
+            if M > WARM_ROWS and not torch.compiler.is_compiling():  # 图外更多的行（预填充的短段）补零行到 8 的倍数
                 x2 = F.pad(x2, (0, 0, 0, -M % BLOCK_ROWS))
             if x2.shape[0] <= BLOCK_ROWS:
                 y = self.kernel(x2, self.blocks)  # [M, ⌈out/32⌉·32]
