@@ -4,8 +4,8 @@
     python -m qwen.bench --model demo        # 或任何检查点文件夹
 
 同一次运行里、同样的权重、dtype 与线程数，依次测：
-1. 普通贪心解码的 token/s：qwen（默认的打包布局，以及可选的 compile=True）与 transformers 的
-   Qwen3_5ForCausalLM（装了的话）；
+1. 普通贪心解码的 token/s：qwen（默认：能编译就用编译的路径；以及 compile=False 的打包布局）、transformers 的
+   Qwen3_5ForCausalLM（装了的话）与 llama.cpp（--llama-cpp，给了 llama-bench 与 GGUF 文件时）；
 2. 512 个 token 的预填充速度，两者；
 3. 内存带宽的下限：解码一个 token 要读的权重字节数 ÷ 与那次解码同时实测的内存读带宽；
 4. 受控接受率的投机解码：草稿器知道贪心续写，每个草稿以概率 a 猜对（真的 MTP 照样运行，
@@ -36,7 +36,7 @@ import torch
 from .cache import State
 from .fast import is_compiled, warm_up
 from .model import Model
-from .mtp import MAX_DRAFTS, MTP, speculate
+from .mtp import MTP, speculate
 from .sample import generate, stream
 from .train import save_checkpoint
 from .weights import Config, find_model, load_config, load_weights

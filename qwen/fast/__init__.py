@@ -3,11 +3,14 @@
 章节里的模型是普通的 torch 模块；Model.from_pretrained() 与 MTP.from_pretrained() 默认把加载好的模型交给
 这里的 speedup()，像 gpt-fast 的 quantize.py 变换一个普通模型那样，换掉模块或属性，章节不知道它的存在：
 
-- linear.py：矩阵的布局。默认打包成 oneDNN 布局（PackedLinear）；compile=True 换成按 32 个输出分块、
-  由 torch.compile 生成的 matvec 来乘（BlockedLinear）。读同一输入的几个投影拼成一个矩阵。
+- linear.py：矩阵的布局。这台机器能编译 C++ 时（默认，can_compile 只试一次、记在磁盘上）按 32 个输出分块、
+  由 torch.compile 生成的 matvec 来乘（BlockedLinear）；否则（或 compile=False）打包成 oneDNN 布局（PackedLinear）。
+  读同一输入的几个投影拼成一个矩阵。
 - rows.py：输出头换了布局之后，与它共用的嵌入表留在检查点文件里，查表时按行读（FileEmbedding）。
-- layers.py：各层换成改写了几个小方法的子类：拼接的投影、就地更新的 DeltaNet 递推；compile=True 时整层编译。
-- 本文件：变换本身、起草时给词表前几万个 token 打分的快办法（FastMTP），以及自动挑草稿数用的代价估计。
+- layers.py：各层换成改写了几个小方法的子类：拼接的投影、就地更新的 DeltaNet 递推、按键值头分组的解码注意力。
+- step.py：编译的路径上，解码与验证的一步（全部层）编译成一张图（FastModel）。
+- 本文件：变换本身、草稿头的编译与只给词表前几万个 token 打分（FastMTP），以及 warm_up：用之前把各张图编译好，
+  并量出这台机器上多起草一个 token 的代价（自动挑草稿数用）。
 
 变换只影响速度与内存，输出只差浮点舍入（测试逐 token 核对）。每条快路径为什么快、快多少，见 docs/performance.md。
 """
@@ -29,7 +32,7 @@ from .step import FastModel, reserve
 
 # 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章的 best_draft_count）。打包的布局读一遍权重就能
 # 算几行，多验证一行几乎不花钱：起草一次是草稿头的一层（主模型 L 层，约 1/L）加输出头的前 32768 行（0.8B 上又约 1/L），
-# 验证多一行约 0.5/L。compile=True 时解码一步本身更快，起草与多验证的行相对更贵。实测依据见 docs/performance.md。
+# 验证多一行约 0.5/L。编译的路径上解码一步本身更快，起草与多验证的行相对更贵。这只是 warm_up 量出实际代价之前的初值。
 PACKED_COST, COMPILED_COST = 2.5, 6.0  # 乘以 1/层数
 
 
@@ -67,7 +70,7 @@ def speedup(module, path, compile: bool | None = None):
 
 class FastMTP(MTP):
     draft_rows = None  # [draft_vocab, h]：输出头前 draft_vocab 行的普通布局副本（打包布局时读出）
-    step = None  # compile=True 时：forward 编译成的一张图（位置是 0 维张量，缓存的写读是 cached_attention）
+    step = None  # 编译的路径上：forward 编译成的一张图（位置是 0 维张量，缓存的写读是 cached_attention）
 
     def forward(self, emb_next, hidden, start: int, state=None):
         B, T, _ = emb_next.shape
@@ -84,7 +87,7 @@ class FastMTP(MTP):
         return out
 
     def draft_logits(self, model, x):
-        """只打前 draft_vocab 个 token 的分：compile=True 时输出头本来就是分块布局，前 draft_vocab / 32 块就是这些行，
+        """只打前 draft_vocab 个 token 的分：编译的路径上输出头本来就是分块布局，前 draft_vocab / 32 块就是这些行，
         用同一个编译的 matvec 乘，也不必另存一份；打包的布局里切不出前几行，用加载时读出的 draft_rows 走 gemv。"""
         n, head = self.draft_vocab, model.lm_head
         if n is None or n >= model.cfg.vocab_size or isinstance(head, nn.Linear):

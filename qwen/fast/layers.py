@@ -1,14 +1,11 @@
-"""附录 · 快路径：换上快布局的各层，以及整层编译。
+"""附录 · 快路径：换上快布局的各层。
 
 变换不新建模块、不动参数的名字：把已加载的普通模块换成这里的子类（module.__class__ = 子类，对象还是那个对象），
 再把它的 nn.Linear 换成 linear.py 的布局。子类只改写章节里留好的小方法：
 - project：读同一输入的几个投影拼成一个矩阵，一次乘完再切开；
 - delta_rule：解码时 DeltaNet 用就地更新的递推（recurrent_in_place）；
-- attend：compile=True 时编译的层在注意力处断开（缓存长度每步都变，这一段照常逐个运算，不引起重新编译）；
-- forward（解码层）：compile=True 时几种固定的长度改走整层编译的版本。
-
-解码一个 token 时，一层是几十个只有几千个数的小运算，每个都有几微秒的固定开销；整层交给 torch.compile
-（形状固定）之后，逐元素运算并成几个 C++ 循环，连同分块布局的 matvec。
+- attend：解码一个 token、缓存又不短时按键值头分组成一次矩阵乘法（attend_cache）；在 step.py 编译的图里，
+  KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）。
 """
 
 import torch
@@ -19,10 +16,10 @@ from ..chunk import chunk_gated_delta_rule
 from ..deltanet import GatedDeltaNet
 from ..layer import RECURRENT_MAX_T, DecoderLayer
 from ..mlp import MLP
-from .linear import COMPILE_OPTIONS, fast_linear
+from .linear import fast_linear
 
-DECODE_LENGTHS = (1, 2, 3, 4, 5)  # compile=True 时整层编译的短长度：解码 1 个 token，验证 1～4 个草稿
-COMPILED_PIECE = 512  # compile=True 时长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
+DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
+COMPILED_PIECE = 512  # 编译的路径上长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
 
 
 def recurrent_in_place(q, k, v, g, beta, S, keep_all: bool = False):

@@ -28,14 +28,6 @@ def deltanet_layer(layer, x, conv, S, keep: bool):
     return x, s.conv, s.S, s.history
 
 
-@torch.compiler.nested_compile_region
-def attention_layer(layer, x, cos, sin, k_buf, v_buf, pos):
-    """图里的一个注意力层（同样只编译一次）：KV 缓存的写读在 cached_attention 里。"""
-    s = AttentionState()
-    s.k_buf, s.v_buf, s.offset = k_buf, v_buf, pos
-    return DecoderLayer.forward(layer, x, cos, sin, s)
-
-
 def reserve(state: AttentionState, n: int) -> None:
     """让已有的 KV 缓冲区至少容得下 n 个位置（与第 6 章的 append 一样按倍数扩容）。扩容发生在图外；
     长度那一维标成动态的（图不按缓冲区的容量特化），扩容之后还是同一张图。"""
@@ -62,8 +54,8 @@ class FastModel(Model):
         """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos 是 0 维张量，states 是各层的状态。"""
         cos, sin = rope_tables(self.cfg, pos + torch.arange(x.shape[1], device=x.device))
         for layer, s in zip(self.layers, states):
-            if isinstance(s, AttentionState):
-                x = attention_layer(layer, x, cos, sin, s.k_buf, s.v_buf, s.offset)
+            if isinstance(s, AttentionState):  # 注意力层直接追踪进图（自定义算子就地写缓存，不能放进可复用的区域）
+                x = DecoderLayer.forward(layer, x, cos, sin, s)
             else:
                 x, s.conv, s.S, s.history = deltanet_layer(layer, x, s.conv, s.S, s.keep_history)
         return self.norm(x)
