@@ -7,6 +7,7 @@
 - KV 缓存的写入与读取是一个自定义算子 cached_attention：图把它当黑盒，它在图外照常按 pos 写入、读前 pos + T 个位置。
   缓存的缓冲区只在图外扩容（reserve），长度那一维标成动态的，扩容也不重新编译。
 每种 token 数（解码 1 个、验证 1～4 个草稿）、记不记历史各编译一次，之后每步就是一次调用。
+结构相同的 DeltaNet 层在图里是同一段可复用的代码（nested_compile_region），0.8B 的 18 层只编译一次。
 """
 
 import torch
@@ -17,6 +18,7 @@ from ..layer import DecoderLayer
 from ..model import Model
 from ..rope import rope_tables
 from .linear import COMPILE_OPTIONS
+
 
 @torch.compiler.nested_compile_region
 def deltanet_layer(layer, x, conv, S, keep: bool):
