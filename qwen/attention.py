@@ -43,17 +43,21 @@ class AttentionState:
     def v(self):
         return None if self.v_buf is None else self.v_buf[:, :, : self.length]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """追加 T 个位置的 k、v [B, kv_heads, T, head_dim]，返回全部历史的视图。"""
-        n = self.length + k.shape[2]
+    def reserve(self, n: int, like: torch.Tensor) -> None:
+        """让缓冲区至少容得下 n 个位置；like 是一段 k 的样子 [B, kv_heads, T, head_dim]（定 B、头数、维数与 dtype）。"""
         if self.k_buf is None or n > self.k_buf.shape[2]:
             cap = max(256, 2 * n)  # 容量翻倍：扩容次数只随长度对数增长
-            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            new_k = like.new_empty(like.shape[0], like.shape[1], cap, like.shape[3])
+            new_v = torch.empty_like(new_k)
             if self.length:
                 new_k[:, :, : self.length] = self.k
                 new_v[:, :, : self.length] = self.v
             self.k_buf, self.v_buf = new_k, new_v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """追加 T 个位置的 k、v [B, kv_heads, T, head_dim]，返回全部历史的视图。"""
+        n = self.length + k.shape[2]
+        self.reserve(n, k)
         self.k_buf[:, :, self.length : n] = k
         self.v_buf[:, :, self.length : n] = v
         self.length = n

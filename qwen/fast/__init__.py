@@ -28,7 +28,7 @@ from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
 from .linear import (BLOCK, COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
                      fast_linear, gemv, read_record, write_record)
 from .rows import FileEmbedding, RowReader, tensor_file
-from .step import FastModel, reserve
+from .step import FastModel, cache_offsets
 
 # 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章的 best_draft_count）。打包的布局读一遍权重就能
 # 算几行，多验证一行几乎不花钱：起草一次是草稿头的一层（主模型 L 层，约 1/L）加输出头的前 32768 行（0.8B 上又约 1/L），
@@ -76,14 +76,8 @@ class FastMTP(MTP):
         B, T, _ = emb_next.shape
         if self.step is None or state is None or B != 1 or T not in DECODE_LENGTHS or not 0 < state.length == start:
             return super().forward(emb_next, hidden, start, state)
-        pos = torch.tensor(start)
-        reserve(state, start + T)
-        state.offset = pos
-        try:  # 按 [T, h] 重排成标准步长再进图：切片的步长各不相同，图会按步长特化
+        with cache_offsets([state], start, T) as pos:  # 按 [T, h] 重排成标准步长再进图：切片的步长各不相同，图会按步长特化
             out = self.step(emb_next.reshape(T, -1)[None], hidden.reshape(T, -1)[None], pos, state)
-        finally:
-            state.offset = None
-        state.length += T
         return out
 
     def draft_logits(self, model, x):

@@ -175,7 +175,7 @@ class BlockedLinear(nn.Module):
             if x2.shape[0] <= BLOCK_ROWS:
                 y = self.kernel(x2, self.blocks)  # [M, ⌈out/32⌉·32]
             else:  # 每 8 行一段（复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译）
-                y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks) for i in range(0, M, BLOCK_ROWS)])
+                y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks) for i in range(0, x2.shape[0], BLOCK_ROWS)])
             y = y[:M, : self.out_features]  # [M, out]：去掉补的零行与零列
             y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)

@@ -5,10 +5,12 @@
 一次追踪成一张图，与 gpt-fast 一样要解决的是“缓存每步都变长”：
 - 位置不作为 Python 整数进图（那样每一步都是一个新常数、都要重新编译），而是一个 0 维张量 pos；
 - KV 缓存的写入与读取是一个自定义算子 cached_attention：图把它当黑盒，它在图外照常按 pos 写入、读前 pos + T 个位置。
-  缓存的缓冲区只在图外扩容（reserve），长度那一维标成动态的，扩容也不重新编译。
+  缓存的缓冲区只在图外扩容（cache_offsets），长度那一维标成动态的，扩容也不重新编译。
 每种 token 数（解码 1 个、验证 1～4 个草稿）、记不记历史各编译一次，之后每步就是一次调用。
 结构相同的 DeltaNet 层在图里是同一段可复用的代码（nested_compile_region），0.8B 的 18 层只编译一次。
 """
+
+from contextlib import contextmanager
 
 import torch
 
@@ -30,17 +32,25 @@ def deltanet_layer(layer, x, conv, S, keep: bool):
     return x, s.conv, s.S, s.history
 
 
-def reserve(state: AttentionState, n: int) -> None:
-    """让已有的 KV 缓冲区至少容得下 n 个位置（与第 6 章的 append 一样按倍数扩容）。扩容发生在图外；
-    长度那一维标成动态的（图不按缓冲区的容量特化），扩容之后还是同一张图。"""
-    if n > state.k_buf.shape[2]:
-        old_k, old_v = state.k, state.v
-        state.k_buf = old_k.new_empty(*old_k.shape[:2], max(256, 2 * n), old_k.shape[3])
-        state.v_buf = torch.empty_like(state.k_buf)
-        state.k_buf[:, :, : state.length], state.v_buf[:, :, : state.length] = old_k, old_v
-    for buf in (state.k_buf, state.v_buf):
-        if not hasattr(buf, "_dynamo_dynamic_indices"):
-            torch._dynamo.mark_dynamic(buf, 2)
+@contextmanager
+def cache_offsets(states, pos: int, T: int):
+    """图外的准备与收尾，主模型与草稿头共用：各个 KV 缓存扩容到容得下 pos + T 个位置（第 6 章的 reserve，发生在图外），
+    长度那一维标成动态的（图不按容量特化，扩容之后还是同一张图），挂上 0 维张量 offset = pos 给图里的
+    cached_attention；产出这个张量。图正常返回后各缓存的长度前移 T；无论如何 offset 都摘掉。"""
+    offset = torch.tensor(pos)
+    for s in states:
+        s.reserve(pos + T, s.k_buf)
+        for buf in (s.k_buf, s.v_buf):
+            if not hasattr(buf, "_dynamo_dynamic_indices"):
+                torch._dynamo.mark_dynamic(buf, 2)
+        s.offset = offset
+    try:
+        yield offset
+    finally:
+        for s in states:
+            s.offset = None
+    for s in states:
+        s.length += T
 
 
 class FastModel(Model):
@@ -67,18 +77,9 @@ class FastModel(Model):
         B, T = ids.shape
         if T not in self.step_lengths or state is None or B != 1 or state.valid is not None or state.pos == 0:
             return super().hidden(ids, state)
-        pos = torch.tensor(state.pos)
         attention = [s for s in state.layers if isinstance(s, AttentionState)]
-        for s in attention:
-            reserve(s, state.pos + T)
-            s.offset = pos
         x = self.embed_tokens(ids)  # [1, T, hidden]
-        try:
+        with cache_offsets(attention, state.pos, T) as pos:
             h = self.step(x.float(), pos, state.layers)
-        finally:
-            for s in attention:
-                s.offset = None
-        for s in attention:
-            s.length += T
         state.pos += T
         return h.to(x.dtype)
