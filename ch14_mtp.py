@@ -19,7 +19,7 @@ import torch
 from qwen.chat import Chat
 from qwen.model import Model
 from qwen.fast import is_compiled, num_params, warm_up
-from qwen.mtp import DRAFT_VOCAB, MTP, speculate
+from qwen.mtp import MTP, speculate
 from qwen.sample import generate
 
 PROMPTS = ["用一句话介绍一下 Transformer。", "写一段 200 字的短文，介绍长江。"]
@@ -44,13 +44,23 @@ def highlight(chat, result, color: bool) -> str:
     return "".join(pieces)
 
 
+def draft_vocab(text: str):
+    """--draft-vocab 的值：auto、all 或正整数。"""
+    if text in ("auto", "all"):
+        return None if text == "all" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"要 auto、all 或正整数，收到 {text!r}")
+    return int(text)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="检查点文件夹（默认 find_model()）")
     p.add_argument("--prompt", action="append", default=[], help="再加一个提示词（可重复）")
     p.add_argument("--max-new-tokens", type=int, default=120)
     p.add_argument("--draft-tokens", type=int, default=None, help="每轮起草几个 token（默认按接受率自动挑）")
-    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, help="起草时只给词表前这么多个 token 打分")
+    p.add_argument("--draft-vocab", type=draft_vocab, default="auto",
+                   help="起草时给哪些 token 打分：auto（默认，见 qwen/vocab.py）、all（全词表）或 n（前 n 个 id）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -70,11 +80,10 @@ def main(argv=None):
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
 
-    print(f"MTP 草稿头：{num_params(mtp) / 1e6:.2f}M 参数（与主模型共用嵌入；起草用输出头的前若干行）")
+    print(f"MTP 草稿头：{num_params(mtp) / 1e6:.2f}M 参数（与主模型共用嵌入；起草只乘输出头里起草词表的那几行）")
     for name, module in mtp.named_children():
         print(f"  {name}: {num_params(module) / 1e6:.2f}M")
-    vocab = mtp.draft_vocab or model.cfg.vocab_size
-    print(f"起草时打分的词表：前 {vocab} 个 token（共 {model.cfg.vocab_size}）")
+    print(f"起草词表：{mtp.draft_note}")
     if args.draft_tokens:
         how = f"固定 {args.draft_tokens} 个"
     else:

@@ -212,9 +212,9 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool | None 
             加速比 = 普通贪心的总秒数 ÷ 投机解码的总秒数（各次加起来），每次的单独记在 speedups 里。
             自动挑 k 测两倍的次数：接受率低时它只起草十来个，3 个种子实际猜对的比例离 a 很远（a = 0.3 时测到过 15%）。"""
             nonlocal before
-            vocab = mtp.draft_vocab
+            vocab = mtp.draft_ids
             if full_vocab:
-                mtp.draft_vocab = None
+                mtp.draft_ids = None
             rows = []  # 每次：(投机解码总秒数, 其中解码阶段, 普通贪心总秒数, 其中解码阶段)
             results = []
             for seed in range(seeds if k else 2 * seeds):
@@ -225,7 +225,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool | None 
                 before = after
                 rows.append((t, t - r.prefill_seconds, plain_total, plain_t))
                 results.append(r)
-            mtp.draft_vocab = vocab
+            mtp.draft_ids = vocab
             spec_total, spec_t, plain_total, plain_t = [sum(col) for col in zip(*rows)]
             same = min(next((i for i, (x, y) in enumerate(zip(r.tokens, plain)) if x != y), len(plain)) for r in results)
             ks = [d for r in results for d, _, _ in r.trace if d]
@@ -245,7 +245,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool | None 
         for a in ACCEPTANCE:
             run(a, 1, recompute=True, full_vocab=True)
         out["spec"] = runs
-        out["draft_vocab"] = mtp.draft_vocab
+        out["draft_vocab"] = None if mtp.draft_ids is None else len(mtp.draft_ids)
     out["peak_rss_gb"] = peak_rss_gb()  # 模型运行的峰值：在下面建测带宽的缓冲区之前读
 
     # 解码速度与带宽下限：每次解码前后各测一次带宽，下限用同一时刻的带宽（取前后大的那个，下限更紧）

@@ -1,7 +1,6 @@
 """第 14 章 · MTP 草稿头与投机解码。
 
-检查点里的 `mtp.*` 是一层“草稿头”：由主模型在位置 t 的隐藏状态 h_t（最后一次 norm 之后）和 token t+1 的嵌入，
-预测 token t+2：
+检查点里的 `mtp.*` 是一层“草稿头”：由主模型在位置 t 的隐藏状态 h_t（最后一次 norm 之后）和 token t+1 的嵌入预测 token t+2：
     x = fc([pre_fc_norm_embedding(e_{t+1}), pre_fc_norm_hidden(h_t)]) → 一个门控全注意力层 → norm → 共用的 lm_head
 投机解码：草稿头便宜地猜出 d₁…d_k（把自己的输出喂回去接着猜），主模型把 [last, d₁, …, d_k] 一次前向验证。
 CPU 上解码的时间几乎都花在读权重上，验证 k+1 个 token 与算 1 个差不多贵；一致的前缀全部收下，再加一个主模型自己的
@@ -30,7 +29,6 @@ from .rope import rope_tables
 from .sample import Penalty, check_sampling, choose, make_generator, probabilities
 from .weights import find_model
 
-DRAFT_VOCAB = 32768  # 起草只给词表前这么多个 token 打分：BPE 的 id 按合并顺序编号，靠前的是最常见的片段
 MAX_DRAFTS = 4  # 自动挑选时每轮最多起草几个
 PROBE_EVERY = 8  # 自动挑选选了不起草（接受率太低）时，每隔这么多轮仍起草一个：看看接受率有没有回升
 DRAFT_COST = 0.9  # 每多起草一个 token 一轮多花几步普通解码。普通矩阵乘法多一行输入可能多读一遍权重：取得保守
@@ -45,16 +43,15 @@ class MTP(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.draft_vocab, self.draft_cost = None, DRAFT_COST  # 起草时只给前 draft_vocab 个 token 打分（None：全词表）
+        self.draft_cost, self.draft_ids, self.draft_rows, self.draft_note = DRAFT_COST, None, None, "全词表"  # 见 draft_logits
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后，送进共用的 lm_head）。
         第 i 行是位置 start + i 的一对 (h_t, e_{t+1})，预测位置 t + 2 的 token。"""
-        dtype = emb_next.dtype  # 权重的 dtype
         x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        x = self.fc(x.to(dtype))  # [B, T, h]：嵌入在前，隐藏状态在后
+        x = self.fc(x.to(emb_next.dtype))  # [B, T, h]：嵌入在前，隐藏状态在后（emb_next 是权重的 dtype）
         cos, sin = rope_tables(self.cfg, start + torch.arange(x.shape[1], device=x.device))
-        return self.norm(self.layers[0](x.float(), cos, sin, state)).to(dtype)
+        return self.norm(self.layers[0](x.float(), cos, sin, state)).to(emb_next.dtype)
 
     def draft(self, model, tokens, hidden, start: int, k: int, state: AttentionState, temperature=0.0,
               top_k=None, top_p=None, gen=None, penalty=None):
@@ -64,32 +61,36 @@ class MTP(nn.Module):
         x = self(model.embed_tokens(tokens), hidden, start, state)[:, -1:]  # [1, 1, h]
         drafts, qs = [], []
         for i in range(k):
-            logits = self.draft_logits(model, x)[0, -1:]  # [1, V 或 draft_vocab]
+            logits = self.draft_logits(model, x)[0, -1:]  # [1, V]
             d, q = choose((penalty(logits, drafts) if penalty else logits)[0], temperature, top_k, top_p, gen)
-            if q is not None:  # 子词表上的分布补成全词表
-                q = torch.cat([q, q.new_zeros(model.cfg.vocab_size - q.shape[0])])
             drafts, qs = drafts + [d], qs + [q]
             if i + 1 < k:
                 x = self(model.embed_tokens(torch.tensor([[d]], device=x.device)), x, start + tokens.shape[1] + i, state)
         return drafts, qs
 
     def draft_logits(self, model, x):
-        """草稿头的输出 x [B, 1, h] → float32 logits。只给前 draft_vocab 个 token 打分时，
-        输出矩阵就是输出头的前 draft_vocab 行：读的权重少得多。"""
-        if self.draft_vocab is None:
+        """草稿头的输出 x [B, 1, h] → 全词表的 float32 logits。有起草词表 draft_ids（None：全词表）时只给这些 token
+        打分，读的权重少得多；词表外的 token 是 −∞，草稿头不会猜它们。"""
+        if self.draft_ids is None:
             return model.lm_head(x).float()
-        return (x @ model.lm_head.weight[: self.draft_vocab].T).float()
+        sub = self.draft_scores(model, x).float()  # [B, 1, n]
+        return sub.new_full((*sub.shape[:-1], model.cfg.vocab_size), -torch.inf).index_copy_(-1, self.draft_ids, sub)
+
+    def draft_scores(self, model, x):  # x [B, 1, h] 乘输出头里起草词表的那几行（第一次用时取出来）→ [B, 1, n]
+        if self.draft_rows is None:
+            self.draft_rows = model.lm_head.weight[self.draft_ids]  # [n, h]
+        return x @ self.draft_rows.T
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        draft_vocab: int | None = DRAFT_VOCAB, compile: bool | None = None) -> "MTP":
-        """读检查点里的 mtp.*。draft_vocab：起草时只给前这么多个 token 打分（None 为全词表）；pack、compile 同 Model。"""
+                        draft_vocab="auto", compile: bool | None = None) -> "MTP":
+        """读检查点里的 mtp.*。draft_vocab：起草时打分的 token，"auto"（默认：中英文常见的 token）、前 n 个 id、
+        一串 id 或 None（全词表），见附录 qwen/vocab.py；pack、compile 同 Model。"""
+        from .vocab import draft_vocabulary  # 附录：默认的起草词表要从分词器里认出中文的 token
         with torch.device("meta"):
             mtp = cls(cfg)
-        mtp.draft_vocab = draft_vocab if draft_vocab is not None and draft_vocab < cfg.vocab_size else None
-        return load_pretrained(mtp, find_model(path), "mtp.", dtype, pack, compile, " MTP 草稿头，不能做投机解码")
-
-
+        mtp.draft_ids, mtp.draft_note = draft_vocabulary(path := find_model(path), cfg.vocab_size, draft_vocab)
+        return load_pretrained(mtp, path, "mtp.", dtype, pack, compile, " MTP 草稿头，不能做投机解码")
 
 
 @dataclass
@@ -176,7 +177,6 @@ def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, 
     # 草稿头还没见过的 (h_t, e_{t+1}) 对，从位置 pend_start 起：先是提示词的每个位置（接着已有的对话时从它的最后一个起）
     pend_hidden = h if hidden is None else torch.cat([hidden, h], 1)
     pend_tokens = torch.cat([ids[:, 1:] if hidden is None else ids, torch.tensor([[last]], device=dev)], 1)
-
     penalty.add([last])
     while last not in stop and len(r.tokens) < max_new_tokens:
         k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], mtp.draft_cost)

@@ -322,10 +322,13 @@ def test_speculative_sampling_distribution(which, k, penalties):
 # ---------- 更快的起草：子词表与自动挑选草稿数 ----------
 
 
-def test_draft_vocab_subset(lively, model):
-    """起草只给前 100 个 token 打分：草稿都落在里面，输出仍与贪心逐 token 相同。"""
-    head = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, draft_vocab=100, compile=False)
-    assert head.draft_vocab == 100
+@pytest.mark.parametrize("vocab", [100, list(range(3, 512, 3))], ids=["first-100", "every-third"])
+def test_draft_vocab_subset(lively, model, vocab):
+    """起草只给起草词表（前 100 个 id，或每隔两个取一个）打分：草稿都落在里面，输出仍与贪心逐 token 相同；
+    词表外的 logits 是 −∞，词表里的与全词表的输出头相同。"""
+    head = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, draft_vocab=vocab, compile=False)
+    keep = torch.arange(100) if vocab == 100 else torch.tensor(vocab)
+    assert torch.equal(head.draft_ids, keep)
     seen = []
     original = head.draft
 
@@ -339,17 +342,19 @@ def test_draft_vocab_subset(lively, model):
         ids = ids_of(12, seed=700 + s)
         r = speculate(model, head, ids, 20, draft_tokens=2)
         assert r.tokens == generate(model, ids, 20)
-    assert len(seen) > 20 and max(seen) < 100
-    assert head.draft_rows.shape == (100, model.cfg.hidden_size)  # 只读出输出头的前 100 行
+    assert len(seen) > 20 and set(seen) <= set(keep.tolist())
+    assert head.draft_head.shape == (len(keep), model.cfg.hidden_size)  # 只读出输出头的这几行
     with torch.inference_mode():
         x = torch.randn(1, 1, model.cfg.hidden_size)
         plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
-        assert torch.allclose(head.draft_logits(model, x), plain.lm_head(x)[..., :100], atol=1e-5)
-        head.draft_vocab = 200
-        with pytest.raises(ValueError, match="前 200 行"):
+        got, want = head.draft_logits(model, x), plain.lm_head(x)
+        assert torch.allclose(got[..., keep], want[..., keep], atol=1e-5)
+        assert torch.isneginf(got).sum() == model.cfg.vocab_size - len(keep)
+        head.draft_ids = torch.arange(200)
+        with pytest.raises(ValueError, match="重新加载"):
             head.draft_logits(model, x)
-    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=None).draft_vocab is None
-    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=10_000).draft_vocab is None  # 比词表还大：全词表
+    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=None).draft_ids is None
+    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=10_000).draft_ids is None  # 比词表还大：全词表
 
 
 def test_best_draft_count():
@@ -386,12 +391,13 @@ def test_compiled_speculative_equals_plain(lively):
     for T, k in ((5, 1), (63, 3), (70, None)):
         ids = ids_of(T, seed=T)
         assert generate_mtp(model, mtp, ids, 20, draft_tokens=k)[0] == generate(plain, ids, 20)
-    # 起草只打前 100 个 token 的分（不是 32 的整块数）：直接乘输出头分块布局的前 4 块，不另存一份
-    mtp.draft_vocab = 100
-    assert mtp.draft_rows is None
+    # 起草词表不是 32 的整块数、也不是前几个 id：那几行读出来换成自己的分块布局
+    vocab = list(range(5, 512, 5))
+    mtp = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, compile=True, draft_vocab=vocab)
+    assert isinstance(mtp.draft_head, BlockedLinear) and mtp.draft_head.out_features == len(vocab)
     with torch.inference_mode():
         x = torch.randn(1, 1, model.cfg.hidden_size)
-        assert torch.allclose(mtp.draft_logits(model, x), plain.lm_head(x)[..., :100], atol=1e-5)
+        assert torch.allclose(mtp.draft_logits(model, x)[..., vocab], plain.lm_head(x)[..., vocab], atol=1e-5)
     ids = ids_of(12, seed=3)
     assert generate_mtp(model, mtp, ids, 20, draft_tokens=2)[0] == generate(plain, ids, 20)
 

@@ -9,7 +9,7 @@
 - rows.py：输出头换了布局之后，与它共用的嵌入表留在检查点文件里，查表时按行读（FileEmbedding）。
 - layers.py：各层换成改写了几个小方法的子类：拼接的投影、就地更新的 DeltaNet 递推、按键值头分组的解码注意力。
 - step.py：编译的路径上，解码与验证的一步（全部层）编译成一张图（FastModel）。
-- 本文件：变换本身、草稿头的编译与只给词表前几万个 token 打分（FastMTP），以及 warm_up：用之前把各张图编译好，
+- 本文件：变换本身、草稿头的编译与只给起草词表打分（FastMTP），以及 warm_up：用之前把各张图编译好，
   并量出这台机器上多起草一个 token 的代价（自动挑草稿数用）。
 
 变换只影响速度与内存，输出只差浮点舍入（测试逐 token 核对）。每条快路径为什么快、快多少，见 docs/performance.md。
@@ -25,7 +25,7 @@ from ..cache import State, copy_state, keep_history
 from ..mtp import MAX_DRAFTS, MTP, SpecResult, stream_mtp
 from ..sample import stream
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
-from .linear import (BLOCK, COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
+from .linear import (COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
                      fast_linear, gemv, read_record, write_record)
 from .rows import FileEmbedding, RowReader, tensor_file
 from .step import FastModel, cache_offsets
@@ -69,7 +69,7 @@ def speedup(module, path, compile: bool | None = None):
 
 
 class FastMTP(MTP):
-    draft_rows = None  # [draft_vocab, h]：输出头前 draft_vocab 行的普通布局副本（打包布局时读出）
+    head_ids = None  # draft_head（起草词表的那几行输出头，speed_up_mtp 读出）是按哪个 draft_ids 读出的
     step = None  # 编译的路径上：forward 编译成的一张图（位置是 0 维张量，缓存的写读是 cached_attention）
 
     def forward(self, emb_next, hidden, start: int, state=None):
@@ -80,20 +80,15 @@ class FastMTP(MTP):
             out = self.step(emb_next.reshape(T, -1)[None], hidden.reshape(T, -1)[None], pos, state)
         return out
 
-    def draft_logits(self, model, x):
-        """只打前 draft_vocab 个 token 的分：编译的路径上输出头本来就是分块布局，前 draft_vocab / 32 块就是这些行，
-        用同一个编译的 matvec 乘，也不必另存一份；打包的布局里切不出前几行，用加载时读出的 draft_rows 走 gemv。"""
-        n, head = self.draft_vocab, model.lm_head
-        if n is None or n >= model.cfg.vocab_size or isinstance(head, nn.Linear):
-            return super().draft_logits(model, x)
-        if isinstance(head, BlockedLinear):
-            y = head.kernel(x.reshape(-1, x.shape[-1]), head.blocks[: -(-n // BLOCK)])  # [B, ⌈n/32⌉·32]
-            return y[:, :n].reshape(*x.shape[:-1], -1).float()  # [B, 1, n]
-        if self.draft_rows is None or self.draft_rows.shape[0] < n:
-            have = 0 if self.draft_rows is None else self.draft_rows.shape[0]
-            raise ValueError(f"草稿头要输出头的前 {n} 行，但手上只有 {have} 行："
-                             "请用与主模型相同的 compile 设置、MTP.from_pretrained(..., draft_vocab=...) 重新加载")
-        return gemv(x, self.draft_rows[:n]).float()  # [B, 1, n]
+    def draft_scores(self, model, x):
+        """只给起草词表打分。换了布局的输出头里取不出任意几行，所以加载时从检查点文件把这几行读出来（draft_head）：
+        编译的路径上换成分块布局，用同一个编译的 matvec 乘；打包的路径上是普通布局，一行输入走 gemv。"""
+        if self.head_ids is not self.draft_ids:
+            raise ValueError("起草词表 draft_ids 在加载之后换过，加载时读出的输出头那几行对不上了：换起草词表请用 "
+                             "MTP.from_pretrained(..., draft_vocab=...) 重新加载")
+        if isinstance(self.draft_head, BlockedLinear):
+            return self.draft_head(x)  # [B, 1, n]
+        return gemv(x, self.draft_head)
 
 
 def speed_up_mtp(mtp: MTP, path, kernel=None) -> MTP:
@@ -103,9 +98,11 @@ def speed_up_mtp(mtp: MTP, path, kernel=None) -> MTP:
     mtp.draft_cost = (PACKED_COST if kernel is None else COMPILED_COST) / mtp.cfg.num_hidden_layers
     if kernel is not None:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
         mtp.step = torch.compile(MTP.forward.__get__(mtp), dynamic=False, options=COMPILE_OPTIONS)
-    elif mtp.draft_vocab is not None:  # 打包的输出头里切不出前几行：另读一份小副本（0.8B 取 32768 行时 64 MB）
+    mtp.draft_head = None  # 输出头里起草词表的那几行：从检查点读一份（主模型的输出头已换了布局）
+    if mtp.draft_ids is not None:  # 编译的路径上是分块布局（BlockedLinear），打包的路径上是普通布局
         head = ("model.", "embed_tokens.weight") if mtp.cfg.tie_word_embeddings else ("", "lm_head.weight")
-        mtp.draft_rows = RowReader(*tensor_file(path, *head), mtp.fc.dtype).head(mtp.draft_vocab)
+        rows = RowReader(*tensor_file(path, *head), mtp.fc.dtype)[mtp.draft_ids]  # [n, h]
+        mtp.draft_head, mtp.head_ids = rows if kernel is None else BlockedLinear(rows, kernel), mtp.draft_ids
     return mtp
 
 
@@ -144,7 +141,7 @@ def warm_up(model, mtp=None, calibrate: bool = True) -> float:
             mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
         mtp.draft_logits(model, hidden[:, :1])
     if mtp is not None and calibrate:
-        key = (f"{model.cfg} · {model.dtype} · {type(model.lm_head).__name__} · 草稿词表 {mtp.draft_vocab} · "
+        key = (f"{model.cfg} · {model.dtype} · {type(model.lm_head).__name__} · 草稿词表 {mtp.draft_note} · "
                f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
         cost = read_record("draft_cost.json", key)
         if not isinstance(cost, float):  # 这台机器上没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）
