@@ -65,14 +65,16 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="强制用（--compile）或不用（--no-compile）附录里 torch.compile 编译的路径；默认能编译就用")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="主模型与草稿头的矩阵存成 int8（编译的路径上）")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     try:
-        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile)
+        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile,
+                                      quantize=args.quantize)
         mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.dtype, draft_vocab=args.draft_vocab,
-                                  compile=args.compile)
+                                  compile=args.compile, quantize=args.quantize)
         chat = Chat(model)
         if is_compiled(model):
             print("编译解码与投机解码用的图（第一次在这台机器上要几十秒，之后从磁盘缓存读）……", flush=True)
@@ -89,7 +91,7 @@ def main(argv=None):
     else:
         how = (f"自动（按接受率挑 0～4 个；刚才量得这台机器上每多起草一个 token 一轮多花一步的 {mtp.draft_cost:.0%}，"
                "接受率低于它时不起草）")
-    layout = "编译的分块布局" if is_compiled(model) else "oneDNN 打包的布局"
+    layout = ("编译的分块布局" if is_compiled(model) else "oneDNN 打包的布局") + ("，int8 的矩阵" if args.quantize else "")
     print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{layout}，"
           f"每轮起草：{how}\n")
 

@@ -31,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="强制用（--compile）或不用（--no-compile）torch.compile 编译的路径；默认这台机器能编译 C++ 就用")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="矩阵存成 int8（编译的路径上）：读的字节少一半、内存少一半，输出只差量化误差")
     return p.parse_args(argv)
 
 
@@ -55,7 +57,8 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile)
+        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile,
+                                      quantize=args.quantize)
         conversation = Conversation(Chat(model), mtp=not args.no_mtp)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")

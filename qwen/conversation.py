@@ -51,8 +51,10 @@ def load_draft_head(model, path):
     from .fast.linear import BlockedLinear  # 草稿头要与主模型同样的布局
 
     try:
-        return MTP.from_pretrained(model.cfg, path, dtype=model.dtype, pack=not isinstance(model.lm_head, nn.Linear),
-                                   compile=isinstance(model.lm_head, BlockedLinear))
+        head = model.lm_head
+        return MTP.from_pretrained(model.cfg, path, dtype=model.dtype, pack=not isinstance(head, nn.Linear),
+                                   compile=isinstance(head, BlockedLinear),
+                                   quantize="int8" if getattr(head, "scales", None) is not None else None)
     except ValueError as e:
         if "没有 mtp.*" in str(e):
             return None

@@ -95,25 +95,28 @@ class Model(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        compile: bool | None = None) -> "Model":
+                        compile: bool | None = None, quantize: str | None = None) -> "Model":
         """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。
 
         pack=False 时就是本章的普通模型（nn.Linear、nn.Parameter），dtype 默认 float32，可以训练、修改权重。
         默认再交给附录 qwen.fast 变换一遍，dtype 默认 bfloat16（CPU 支持时）：这台机器能编译 C++ 时（compile=None，
         只试一次、记在磁盘上）换成 torch.compile 编译的布局，否则 oneDNN 打包的布局；compile=True、False 强制其一。
-        变换只影响速度与内存，输出只差浮点舍入。
+        变换只影响速度与内存，输出只差浮点舍入。quantize="int8"（编译的布局上）再把矩阵存成 int8：读的字节少一半，
+        输出只差量化误差。
         """
         path = find_model(path)
         with torch.device("meta"):
             model = cls(load_config(path))  # 只有形状，没有内存
         model.path = path
-        return load_pretrained(model, path, "model.", dtype, pack, compile, "文本模型")
+        return load_pretrained(model, path, "model.", dtype, pack, compile, "文本模型", quantize)
 
 
-def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compile, what: str):
+def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compile, what: str, quantize=None):
     """读出检查点的一部分（第 1 章），核对名字与形状，用 load_state_dict(assign=True) 把张量直接装进 meta 设备上的
     骨架；pack 或 compile 时再交给附录 qwen.fast 变换。Model 与第 14 章的 MTP 草稿头都这样加载。"""
     fast = None
+    if quantize and not pack:
+        raise ValueError(f"quantize={quantize!r} 是附录快路径的变换：pack=False 的普通模型不量化")
     if pack or compile:
         from . import fast  # 附录：CPU 上的快路径（只在这里用到，章节不依赖它）
     sd = load_weights(path, part, dtype or (fast.preferred_dtype() if fast else torch.float32))
@@ -129,4 +132,4 @@ def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compi
     if tied:
         module.lm_head.weight = module.embed_tokens.weight  # assign 之后重新绑定：共用一个参数
     module.eval()
-    return fast.speedup(module, path, compile=compile) if fast else module
+    return fast.speedup(module, path, compile=compile, quantize=quantize) if fast else module

@@ -83,14 +83,14 @@ class MTP(nn.Module):
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        draft_vocab="auto", compile: bool | None = None) -> "MTP":
+                        draft_vocab="auto", compile: bool | None = None, quantize: str | None = None) -> "MTP":
         """读检查点里的 mtp.*。draft_vocab：起草时打分的 token，"auto"（默认：中英文常见的 token）、前 n 个 id、
-        一串 id 或 None（全词表），见附录 qwen/vocab.py；pack、compile 同 Model。"""
+        一串 id 或 None（全词表），见附录 qwen/vocab.py；pack、compile、quantize 同 Model。"""
         from .vocab import draft_vocabulary  # 附录：默认的起草词表要从分词器里认出中文的 token
         with torch.device("meta"):
             mtp = cls(cfg)
         mtp.draft_ids, mtp.draft_note = draft_vocabulary(path := find_model(path), cfg.vocab_size, draft_vocab)
-        return load_pretrained(mtp, path, "mtp.", dtype, pack, compile, " MTP 草稿头，不能做投机解码")
+        return load_pretrained(mtp, path, "mtp.", dtype, pack, compile, " MTP 草稿头，不能做投机解码", quantize)
 
 
 @dataclass

@@ -391,13 +391,15 @@ def test_compiled_speculative_equals_plain(lively):
     for T, k in ((5, 1), (63, 3), (70, None)):
         ids = ids_of(T, seed=T)
         assert generate_mtp(model, mtp, ids, 20, draft_tokens=k)[0] == generate(plain, ids, 20)
-    # 起草词表不是 32 的整块数、也不是前几个 id：那几行读出来换成自己的分块布局
+    # 起草词表不是 32 的整块数、也不是前几个 id：那几行读出来换成自己的分块布局，存成 int8（草稿只是猜测）
     vocab = list(range(5, 512, 5))
     mtp = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, compile=True, draft_vocab=vocab)
     assert isinstance(mtp.draft_head, BlockedLinear) and mtp.draft_head.out_features == len(vocab)
+    assert mtp.draft_head.blocks.dtype == torch.int8
     with torch.inference_mode():
         x = torch.randn(1, 1, model.cfg.hidden_size)
-        assert torch.allclose(mtp.draft_logits(model, x)[..., vocab], plain.lm_head(x)[..., vocab], atol=1e-5)
+        got, want = mtp.draft_logits(model, x)[..., vocab], plain.lm_head(x)[..., vocab]
+        assert (got - want).norm() / want.norm() <= 0.02
     ids = ids_of(12, seed=3)
     assert generate_mtp(model, mtp, ids, 20, draft_tokens=2)[0] == generate(plain, ids, 20)
 

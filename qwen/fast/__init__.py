@@ -43,24 +43,28 @@ def preferred_dtype() -> torch.dtype:
     return torch.float32
 
 
-def speedup(module, path, compile: bool | None = None):
+def speedup(module, path, compile: bool | None = None, quantize: str | None = None):
     """变换一个已加载的 Model 或 MTP（path 是它的检查点文件夹），返回同一个对象。这台机器用不了时原样返回。
-    compile=None：能编译（can_compile，结果记在磁盘上）就用编译的分块布局，否则 oneDNN 打包的布局；True、False 强制其一。"""
+    compile=None：能编译（can_compile，结果记在磁盘上）就用编译的分块布局，否则 oneDNN 打包的布局；True、False 强制其一。
+    quantize="int8"：全部矩阵（含输出头）存成逐输出通道的 int8（quantize_int8），只在编译的路径上有。"""
+    if quantize not in (None, "int8"):
+        raise ValueError(f'quantize 只能是 None 或 "int8"，收到 {quantize!r}')
     some = next(m.weight for m in module.modules() if isinstance(m, nn.Linear))
-    if some.device.type != "cpu":
-        return module
     compile = can_compile() if compile is None else compile
-    if not (compile or can_pack(some)):
+    if quantize and not (compile and some.device.type == "cpu"):
+        raise ValueError('quantize="int8" 的矩阵乘法是 torch.compile 在 CPU 上生成的：要 compile=True（或默认、且这台机器'
+                         "能编译 C++，见 can_compile），不能与 compile=False 或别的设备一起用")
+    if some.device.type != "cpu" or not (compile or can_pack(some)):
         return module
     kernel = compile_matvec(some.dtype) if compile else None
     if isinstance(module, MTP):
-        return speed_up_mtp(module, path, kernel)
+        return speed_up_mtp(module, path, kernel, quantize)
     model = module
     # 先换最大的输出头，再把嵌入表留在文件里：普通布局的那 0.5 GB 这就释放，之后换各层时内存峰值低一些
-    model.lm_head = fast_linear([model.lm_head], kernel)
+    model.lm_head = fast_linear([model.lm_head], kernel, quantize)
     model.embed_tokens = FileEmbedding(RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), some.dtype))
     for layer in model.layers:
-        speed_up_layer(layer, kernel)
+        speed_up_layer(layer, kernel, quantize)
     if kernel is not None:  # 解码一步（全部层）编译成一张图：解码一个 token、验证几个草稿
         model.piece = COMPILED_PIECE
         model.__class__ = FastModel
@@ -82,7 +86,7 @@ class FastMTP(MTP):
 
     def draft_scores(self, model, x):
         """只给起草词表打分。换了布局的输出头里取不出任意几行，所以加载时从检查点文件把这几行读出来（draft_head）：
-        编译的路径上换成分块布局，用同一个编译的 matvec 乘；打包的路径上是普通布局，一行输入走 gemv。"""
+        编译的路径上换成 int8 的分块布局，用同一个编译的 matvec 乘；打包的路径上是普通布局，一行输入走 gemv。"""
         if self.head_ids is not self.draft_ids:
             raise ValueError("起草词表 draft_ids 在加载之后换过，加载时读出的输出头那几行对不上了：换起草词表请用 "
                              "MTP.from_pretrained(..., draft_vocab=...) 重新加载")
@@ -91,18 +95,18 @@ class FastMTP(MTP):
         return gemv(x, self.draft_head)
 
 
-def speed_up_mtp(mtp: MTP, path, kernel=None) -> MTP:
-    mtp.fc = fast_linear([mtp.fc], kernel)
-    speed_up_layer(mtp.layers[0], kernel)
+def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None) -> MTP:
+    mtp.fc = fast_linear([mtp.fc], kernel, quantize)
+    speed_up_layer(mtp.layers[0], kernel, quantize)
     mtp.__class__ = FastMTP
     mtp.draft_cost = (PACKED_COST if kernel is None else COMPILED_COST) / mtp.cfg.num_hidden_layers
     if kernel is not None:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
         mtp.step = torch.compile(MTP.forward.__get__(mtp), dynamic=False, options=COMPILE_OPTIONS)
     mtp.draft_head = None  # 输出头里起草词表的那几行：从检查点读一份（主模型的输出头已换了布局）
-    if mtp.draft_ids is not None:  # 编译的路径上是分块布局（BlockedLinear），打包的路径上是普通布局
+    if mtp.draft_ids is not None:  # 编译的路径上是 int8 的分块布局（草稿只是猜测，量化误差只会偶尔少收一个草稿）
         head = ("model.", "embed_tokens.weight") if mtp.cfg.tie_word_embeddings else ("", "lm_head.weight")
         rows = RowReader(*tensor_file(path, *head), mtp.fc.dtype)[mtp.draft_ids]  # [n, h]
-        mtp.draft_head, mtp.head_ids = rows if kernel is None else BlockedLinear(rows, kernel), mtp.draft_ids
+        mtp.draft_head, mtp.head_ids = rows if kernel is None else BlockedLinear(rows, kernel, quantize="int8"), mtp.draft_ids
     return mtp
 
 
@@ -141,7 +145,8 @@ def warm_up(model, mtp=None, calibrate: bool = True) -> float:
             mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
         mtp.draft_logits(model, hidden[:, :1])
     if mtp is not None and calibrate:
-        key = (f"{model.cfg} · {model.dtype} · {type(model.lm_head).__name__} · 草稿词表 {mtp.draft_note} · "
+        int8 = getattr(model.lm_head, "scales", None) is not None
+        key = (f"{model.cfg} · {model.dtype}{' · int8' if int8 else ''} · {type(model.lm_head).__name__} · 草稿词表 {mtp.draft_note} · "
                f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
         cost = read_record("draft_cost.json", key)
         if not isinstance(cost, float):  # 这台机器上没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）

@@ -67,22 +67,25 @@ def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
     return blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)[:, :out].t()
 
 
-def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """x [M, in]（M 很小）乘分块布局的权重 → [M, ⌈out/32⌉·32]，在 float32 里累加。
+def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in]（M 很小）乘分块布局的权重 blocks [B, in, 32] → [M, B·32]，在 float32 里累加。
 
     y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。torch.compile 把 M 行的归约生成进同一个循环，权重只读一遍。
     不编译时它也是对的，只是每行都要物化一个与权重一样大的中间结果，很慢。
     第一行不改变 x：torch.compile 会把算出 x 的逐元素运算（比如层里的 RMSNorm）内联进这个循环，权重的每一块都把它们
     重算一遍；as_strided 要求输入是一块真实的内存，编译器只好先把 x 算好存下来，循环里只剩读权重、乘加。
+
+    一行输入时调用方先把输入维切成 4 段：x [4, in/4]、blocks [B, 4, in/4, 32]（都是视图），每段各用一个累加器，最后再
+    加起来。在函数里切（in // 4）的话，动态形状生成的循环每一步都要重算这个除法，大矩阵慢一倍。
+    int8 的权重（quantize="int8"）带每个输出的比例 scales [B, 32]：累加完再乘，归约里只有整数转浮点、乘加。
     """
     x = torch.as_strided(x, x.shape, x.stride())
-    w = blocks.float()  # [B, in, 32]
-    n = w.shape[1]
-    if x.shape[0] == 1 and n % SPLIT == 0:  # 一行：输入维分成 4 段各自累加，最后再加起来（见下）
-        parts = (w.view(-1, SPLIT, n // SPLIT, BLOCK) * x.float().view(1, SPLIT, -1, 1)).sum(2)  # [B, 4, 32]
-        return parts.sum(1).flatten()[None].to(x.dtype)
-    rows = [(w * x[m].float()[None, :, None]).sum(1).flatten() for m in range(x.shape[0])]  # 每个 [B·32]
-    return torch.stack(rows).to(x.dtype)
+    w = blocks.float()  # [B, in, 32] 或 [B, 4, in/4, 32]
+    if w.dim() == 4:  # 一行，切成了 4 段
+        y = (w * x.float()[None, :, :, None]).sum(2).sum(1)  # [B, 32]
+        return (y if scales is None else y * scales).flatten()[None].to(x.dtype)
+    rows = [(w * x[m].float()[None, :, None]).sum(1) for m in range(x.shape[0])]  # 每个 [B, 32]
+    return torch.stack([(y if scales is None else y * scales).flatten() for y in rows]).to(x.dtype)
 
 
 def compile_matvec(dtype: torch.dtype = torch.float32):
@@ -92,7 +95,7 @@ def compile_matvec(dtype: torch.dtype = torch.float32):
     kernel = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)
     try:
         with torch.inference_mode():  # 编译结果按求导模式分开缓存：编译的就是生成时要用的那份
-            kernel(torch.ones(1, 8, dtype=dtype), torch.ones(2, 8, BLOCK, dtype=dtype))
+            kernel(torch.ones(SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
     except Exception as e:
         raise RuntimeError(
             f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
@@ -154,28 +157,53 @@ def can_compile() -> bool:
     return works
 
 
-class BlockedLinear(nn.Module):
-    """分块布局的矩阵（to_blocks），不超过 KERNEL_ROWS 行输入时用 kernel（compile_matvec() 的结果）每 8 行一段地乘。"""
+def quantize_int8(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """对称的逐输出通道 int8：W ≈ q · s，s = max|W 的这一行| / 127 → (q [out, in] int8, s [out] float32)。
+    每次只把 rows 行转成 float32 算：输出头整个转一遍要 1 GB 的临时内存。"""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0])
+    for i in range(0, weight.shape[0], rows):
+        w = weight[i : i + rows].detach().float()
+        s = scale[i : i + rows] = w.abs().amax(1).clamp(min=1e-12) / 127  # 全零的行比例取个极小值，q 还是 0
+        q[i : i + rows] = torch.round(w / s[:, None]).clamp(-127, 127)
+    return q, scale
 
-    def __init__(self, weight: torch.Tensor, kernel, bias=None):
+
+class BlockedLinear(nn.Module):
+    """分块布局的矩阵（to_blocks），不超过 KERNEL_ROWS 行输入时用 kernel（compile_matvec() 的结果）每 8 行一段地乘。
+    quantize="int8"：权重存成 int8 的块加每个输出一个 float32 比例（quantize_int8），字节数是 bfloat16 的一半。"""
+
+    def __init__(self, weight: torch.Tensor, kernel, bias=None, quantize: str | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.blocks = to_blocks(weight.detach())
+        if quantize == "int8":
+            q, scale = quantize_int8(weight)
+            self.blocks, self.scales = to_blocks(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
+        else:
+            self.blocks, self.scales = to_blocks(weight.detach()), None  # [B, in, 32]；[B, 32] 或 None
         self.kernel, self.bias = kernel, bias
+
+    def dense(self) -> torch.Tensor:
+        """拼回普通布局 [out, in]（int8 的乘回比例），长的预填充交给 F.linear。"""
+        w = from_blocks(self.blocks, self.out_features)
+        return w if self.scales is None else (w * self.scales.flatten()[: self.out_features, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         M = x2.shape[0]
         if M > KERNEL_ROWS:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
-            y = F.linear(x2, from_blocks(self.blocks, self.out_features), self.bias)
+            y = F.linear(x2, self.dense(), self.bias)
         else:
             if M > WARM_ROWS and not torch.compiler.is_compiling():  # 图外更多的行（预填充的短段）补零行到 8 的倍数
                 x2 = F.pad(x2, (0, 0, 0, -M % BLOCK_ROWS))
-            if x2.shape[0] <= BLOCK_ROWS:
-                y = self.kernel(x2, self.blocks)  # [M, ⌈out/32⌉·32]
+            if x2.shape[0] == 1 and self.in_features % SPLIT == 0:  # 一行：输入维切成 4 段（见 matvec_blocks）
+                y = self.kernel(x2.reshape(SPLIT, -1), self.blocks.view(len(self.blocks), SPLIT, -1, BLOCK), self.scales)
+            elif x2.shape[0] <= BLOCK_ROWS:
+                y = self.kernel(x2, self.blocks, self.scales)  # [M, ⌈out/32⌉·32]
             else:  # 每 8 行一段（复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译）
-                y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks) for i in range(0, x2.shape[0], BLOCK_ROWS)])
+                y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks, self.scales)
+                               for i in range(0, x2.shape[0], BLOCK_ROWS)])
             y = y[:M, : self.out_features]  # [M, out]：去掉补的零行与零列
             y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)
@@ -202,11 +230,12 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-def fast_linear(linears, kernel=None) -> nn.Module:
-    """几个读同一输入的 nn.Linear（一个也行）的权重上下拼成一个，换成分块布局（给了 kernel）或打包的布局。"""
+def fast_linear(linears, kernel=None, quantize: str | None = None) -> nn.Module:
+    """几个读同一输入的 nn.Linear（一个也行）的权重上下拼成一个，换成分块布局（给了 kernel；quantize="int8" 时存成
+    int8）或打包的布局。"""
     def cat(ts):
         return ts[0].detach() if len(ts) == 1 else torch.cat([t.detach() for t in ts])  # 一个时不复制（输出头有 0.5 GB）
 
     weight = cat([m.weight for m in linears])
     bias = None if linears[0].bias is None else cat([m.bias.float() for m in linears])
-    return PackedLinear(weight, bias) if kernel is None else BlockedLinear(weight, kernel, bias)
+    return PackedLinear(weight, bias) if kernel is None else BlockedLinear(weight, kernel, bias, quantize)
