@@ -127,7 +127,8 @@ def bytes_per_token(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, (PackedLinear, BlockedLinear)):
-            total += m.out_features * m.in_features * m.dtype.itemsize
+            itemsize = 1 if getattr(m, "scales", None) is not None else m.dtype.itemsize  # int8 的块一个数一字节
+            total += m.out_features * (m.in_features * itemsize + (itemsize == 1) * 4)  # int8 另有每个输出的比例
         elif m is not model.embed_tokens:  # nn.Linear 的权重、各种 norm 与 DeltaNet 的小参数
             total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     return total + model.cfg.hidden_size * model.dtype.itemsize
@@ -166,9 +167,10 @@ def prompt_ids(cfg, n, seed=0):
 # ---------- 两个子进程：qwen 与 transformers ----------
 
 
-def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool | None = None, seeds: int = 3) -> dict:
-    model = Model.from_pretrained(path, dtype=dtype, compile=compile)
-    mtp = MTP.from_pretrained(model.cfg, path, dtype=dtype, compile=compile) if spec else None  # 先加载：像真实使用那样一开始就备好
+def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool | None = None, seeds: int = 3,
+             quantize: str | None = None) -> dict:
+    model = Model.from_pretrained(path, dtype=dtype, compile=compile, quantize=quantize)
+    mtp = MTP.from_pretrained(model.cfg, path, dtype=dtype, compile=compile, quantize=quantize) if spec else None  # 先加载：像真实使用那样一开始就备好
     cfg, out = model.cfg, {}
     out["bytes_per_token"] = bytes_per_token(model)
     out["compiled"] = is_compiled(model)
@@ -302,7 +304,7 @@ def worker(args) -> None:
     dtype = DTYPES[args.dtype]
     if args.worker == "qwen":
         out = run_qwen(args.model, dtype, args.tokens, args.prefill, spec=not args.no_spec,
-                       compile=False if args.packed else None, seeds=args.seeds)
+                       compile=False if args.packed else None, seeds=args.seeds, quantize=args.quantize)
     else:
         out = run_transformers(args.model, dtype, args.tokens, args.prefill)
     print("RESULT " + json.dumps(out))
@@ -312,6 +314,8 @@ def child(args, which: str, dtype: str, spec: bool = True, packed: bool = False)
     cmd = [sys.executable, "-m", "qwen.bench", "--worker", which, "--model", str(args.model), "--dtype", dtype,
            "--threads", str(args.threads), "--tokens", str(args.tokens), "--prefill", str(args.prefill),
            "--seeds", str(args.seeds)]
+    if args.quantize and not packed:
+        cmd += ["--quantize", args.quantize]
     if not spec:
         cmd.append("--no-spec")
     if packed:
@@ -380,7 +384,8 @@ VARIANTS = {"qwen": "", "qwen_packed": " compile=False"}  # 每种 dtype 测的 
 
 def report(res: dict) -> str:
     lines = [f"机器：{res['machine']}；线程 {res['threads']}；模型：{res['model']}；"
-             f"qwen 与 transformers 轮流测 {res['rounds']} 轮，各取最快的一轮", ""]
+             f"qwen 与 transformers 轮流测 {res['rounds']} 轮，各取最快的一轮"
+             + ("；qwen 的矩阵是 int8（quantize=\"int8\"）" if res.get("quantize") else ""), ""]
     lines.append("| dtype | qwen 解码 tok/s | transformers 解码 tok/s | 倍数 | 同时测的带宽 GB/s | 带宽下限 tok/s | 占下限 | "
                  f"预填充 {res['prefill_len']} tok/s qwen / transformers | 峰值内存 GB |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
@@ -493,6 +498,8 @@ def main(argv=None):
     p.add_argument("--llama-cpp", metavar="DIR", default=None,
                    help="同时测 llama.cpp：DIR 里有 llama-bench（与第一种 dtype 的 qwen 轮流测，报告比值）")
     p.add_argument("--gguf", default=None, help="llama.cpp 用的 GGUF 文件（默认：模型文件夹里唯一的 .gguf）")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="qwen（默认的编译路径）的矩阵存成 int8；与 llama.cpp 的 Q8_0 比时用（--gguf 给 Q8_0 的文件）")
     p.add_argument("--no-packed", action="store_true", help="不另测 compile=False（oneDNN 打包的布局）的 qwen")
     p.add_argument("--seeds", type=int, default=3, help="投机解码的每组设置测几次（草稿器的随机种子不同；自动挑 k 测两倍），加起来算加速比")
     p.add_argument("--rounds", type=int, default=2, help="qwen 与 transformers 轮流测几轮（各取最快的一轮）")
@@ -525,7 +532,7 @@ def main(argv=None):
             has_hf = False
     bandwidths = [read_bandwidth()]  # 父进程在开头、结尾各测一次：整个运行里机器的最高读带宽
     res = dict(machine=machine(), threads=args.threads, model=name, tokens=args.tokens, prefill_len=args.prefill,
-               rounds=args.rounds, runs={})
+               rounds=args.rounds, quantize=args.quantize, runs={})
     dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
     for dtype in dtypes:
         # qwen 与 transformers 轮流测 rounds 轮，各取最快的一轮：共享机器的快慢时段两边都有机会碰上。

@@ -153,8 +153,8 @@ def open_safetensors(file: Path):
         raise ValueError(f"{file} 不是完整的 safetensors 文件（{e}）：可能下载中断或被截断，请删掉它重新下载") from None
 
 
-def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dtype | None = None) -> dict:
-    """读出检查点的一个部分，去掉前缀后返回 {名字: 张量}。
+def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dtype | None = None, read=None) -> dict:
+    """读出检查点的一个部分，去掉前缀后返回 {名字: 张量}（每个用 read_tensor 读；附录传自己的 read，先只读形状）。
 
     part="model." 取文本模型（lm_head.weight 若存在也一并返回），part="mtp." 取草稿头。dtype 给定时矩阵转成 dtype；
     其余的浮点张量（norm 权重、A_log、dt_bias、卷积核）用 float32：它们很小，却直接决定数值精度。
@@ -173,7 +173,7 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
             else:
                 continue
             if key not in out:  # model.language_model.x 优先于 model.x
-                out[key] = read_tensor(file, name, dtype)
+                out[key] = (read or read_tensor)(file, name, dtype)
     return out
 
 

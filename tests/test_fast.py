@@ -8,7 +8,7 @@ from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
 from qwen.fast.linear import (BLOCK, BlockedLinear, PackedLinear, compile_matvec, from_blocks, matvec_blocks,
                               quantize_int8, to_blocks)
-from qwen.fast.rows import FileEmbedding, RowReader
+from qwen.fast.rows import FileEmbedding, FileRows, RowReader
 
 from checkpoints import prompt
 from test_chunk import inputs
@@ -182,7 +182,8 @@ def test_row_reader_matches_safetensors(tmp_path, dtype):
     ids = torch.tensor([[0, 299, 7], [7, 7, 150]])
     assert rows.shape == (300, 24) and rows.dtype == dtype
     assert torch.equal(rows[ids], table[ids])
-    assert torch.equal(rows.head(10), table[:10])
+    assert torch.equal(rows.rows(3, 10), table[3:10])
+    assert torch.equal(FileRows(rows)[5:9], table[5:9]) and torch.equal(FileRows(rows, torch.tensor([7, 2]))[1:], table[2:3])
     as32 = RowReader(tmp_path / "t.safetensors", "b.table", torch.float32)
     assert as32[ids].dtype == torch.float32 and torch.equal(as32[ids], table[ids].float())
     with pytest.raises(ValueError, match="二维"):

@@ -15,6 +15,7 @@
 变换只影响速度与内存，输出只差浮点舍入（测试逐 token 核对）。每条快路径为什么快、快多少，见 docs/performance.md。
 """
 
+import ctypes
 import time
 
 import torch
@@ -27,7 +28,7 @@ from ..sample import stream
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
 from .linear import (COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
                      fast_linear, gemv, read_record, write_record)
-from .rows import FileEmbedding, RowReader, tensor_file
+from .rows import FileEmbedding, FileRows, RowReader, materialize, meta_tensor, tensor_file
 from .step import FastModel, cache_offsets
 
 # 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章的 best_draft_count）。打包的布局读一遍权重就能
@@ -50,21 +51,34 @@ def speedup(module, path, compile: bool | None = None, quantize: str | None = No
     if quantize not in (None, "int8"):
         raise ValueError(f'quantize 只能是 None 或 "int8"，收到 {quantize!r}')
     some = next(m.weight for m in module.modules() if isinstance(m, nn.Linear))
+    on_cpu = some.device.type in ("cpu", "meta")  # meta：刚读了形状，权重在文件里，读出来就在 CPU 上
     compile = can_compile() if compile is None else compile
-    if quantize and not (compile and some.device.type == "cpu"):
+    if quantize and not (compile and on_cpu):
         raise ValueError('quantize="int8" 的矩阵乘法是 torch.compile 在 CPU 上生成的：要 compile=True（或默认、且这台机器'
                          "能编译 C++，见 can_compile），不能与 compile=False 或别的设备一起用")
-    if some.device.type != "cpu" or not (compile or can_pack(some)):
+    part = "mtp." if isinstance(module, MTP) else "model."
+    if not on_cpu or not (compile or can_pack(some)):
+        materialize(module, path, part)  # 不变换：整个读出来，就是章节里的普通模型
         return module
     kernel = compile_matvec(some.dtype) if compile else None
     if isinstance(module, MTP):
+        materialize(module, path, part)  # 草稿头只有一层
         return speed_up_mtp(module, path, kernel, quantize)
     model = module
-    # 先换最大的输出头，再把嵌入表留在文件里：普通布局的那 0.5 GB 这就释放，之后换各层时内存峰值低一些
-    model.lm_head = fast_linear([model.lm_head], kernel, quantize)
+    # 先换最大的输出头，嵌入表留在文件里（从不读进内存）；之后一层一层地读出、换掉。int8 的输出头从文件里
+    # 一段一段地读出来量化（FileRows）：内存里不必有整个 bfloat16 的输出头
+    if quantize:
+        model.lm_head = BlockedLinear(FileRows(RowReader(*tensor_file(path, *head_tensor(model.cfg)), some.dtype)),
+                                      kernel, quantize=quantize)
+    else:
+        materialize(model, path, part, "lm_head.")
+        model.lm_head = fast_linear([model.lm_head], kernel)
     model.embed_tokens = FileEmbedding(RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), some.dtype))
-    for layer in model.layers:
+    materialize(model, path, part, "norm.")
+    for i, layer in enumerate(model.layers):
+        materialize(model, path, part, f"layers.{i}.")
         speed_up_layer(layer, kernel, quantize)
+        release_memory()  # 这一层的原始权重已经释放：还给操作系统，下一层的临时内存不再往上垒
     if kernel is not None:  # 解码一步（全部层）编译成一张图：解码一个 token、验证几个草稿
         model.piece = COMPILED_PIECE
         model.__class__ = FastModel
@@ -95,6 +109,20 @@ class FastMTP(MTP):
         return gemv(x, self.draft_head)
 
 
+def release_memory() -> None:
+    """把已经释放、但 glibc 还留在堆里的内存还给操作系统（malloc_trim）。几 MB 到几十 MB 的张量一块块释放之后，
+    glibc 多半留着它们备用：常驻内存不降，下一层的临时张量又另占新的。别的 C 库上什么也不做。"""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def head_tensor(cfg) -> tuple[str, str]:
+    """输出头在检查点里的 (部分, 名字)：共用嵌入时是嵌入表。"""
+    return ("model.", "embed_tokens.weight") if cfg.tie_word_embeddings else ("", "lm_head.weight")
+
+
 def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None) -> MTP:
     mtp.fc = fast_linear([mtp.fc], kernel, quantize)
     speed_up_layer(mtp.layers[0], kernel, quantize)
@@ -104,9 +132,11 @@ def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None) -> MTP:
         mtp.step = torch.compile(MTP.forward.__get__(mtp), dynamic=False, options=COMPILE_OPTIONS)
     mtp.draft_head = None  # 输出头里起草词表的那几行：从检查点读一份（主模型的输出头已换了布局）
     if mtp.draft_ids is not None:  # 编译的路径上是 int8 的分块布局（草稿只是猜测，量化误差只会偶尔少收一个草稿）
-        head = ("model.", "embed_tokens.weight") if mtp.cfg.tie_word_embeddings else ("", "lm_head.weight")
-        rows = RowReader(*tensor_file(path, *head), mtp.fc.dtype)[mtp.draft_ids]  # [n, h]
-        mtp.draft_head, mtp.head_ids = rows if kernel is None else BlockedLinear(rows, kernel, quantize="int8"), mtp.draft_ids
+        rows = RowReader(*tensor_file(path, *head_tensor(mtp.cfg)), mtp.fc.dtype)
+        mtp.draft_head = rows[mtp.draft_ids] if kernel is None else BlockedLinear(FileRows(rows, mtp.draft_ids), kernel,
+                                                                                   quantize="int8")  # [n, h] 或分块
+        mtp.head_ids = mtp.draft_ids
+    release_memory()
     return mtp
 
 

@@ -223,7 +223,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def can_pack(weight: torch.Tensor) -> bool:
     """这台机器、这个 dtype 能不能打包：只在 CPU 上，且 oneDNN 支持该 dtype。"""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if weight.device.type not in ("cpu", "meta") or not torch.backends.mkldnn.is_available():  # meta：还在文件里
         return False
     if weight.dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()

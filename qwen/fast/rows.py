@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..weights import open_safetensors, safetensors_files
+from ..weights import open_safetensors, read_tensor, safetensors_files
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -29,6 +29,35 @@ def tensor_file(path, part: str, key: str) -> tuple[Path, str]:
             if prefix + key in names:
                 return file, prefix + key
     raise ValueError(f"检查点 {path} 里没有张量 {key}（前缀 {' 或 '.join(prefixes)}）")
+
+
+def meta_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """第 1 章 load_weights 的 read：只读文件头里的形状，返回同样形状与 dtype 的 meta 张量（规则同 read_tensor：
+    矩阵用 dtype，其余浮点张量用 float32）。真的权重等到变换那一层时由 materialize 读出。"""
+    with open_safetensors(file) as f:
+        info = f.get_slice(name)
+        shape, kind = info.get_shape(), info.get_dtype()
+    if kind not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{file} 里的 {name} 是 {kind}：权重应是浮点张量（BF16、F16 或 F32）")
+    floating = dtype or SAFETENSORS_DTYPES[kind]
+    return torch.empty(shape, dtype=floating if len(shape) == 2 else torch.float32, device="meta")
+
+
+def materialize(root: nn.Module, path, part: str, prefix: str = "") -> None:
+    """把 root（检查点里 part 那一部分：part="model." 或 "mtp."）里名字以 prefix 开头、还在 meta 设备上的参数从检查点
+    读出来（dtype 与 meta 张量相同）。加载时快路径只读了形状（meta_tensor）；变换前一层一层地读，内存里同时只有
+    一层的原始权重。"""
+    tied = part == "model." and root.cfg.tie_word_embeddings
+    for name, param in list(root.named_parameters(remove_duplicate=False)):
+        if not name.startswith(prefix) or not param.is_meta:
+            continue
+        if name == "lm_head.weight":  # 共用嵌入时读嵌入表；不共用时它在检查点的顶层
+            file, full = tensor_file(path, "model.", "embed_tokens.weight") if tied else tensor_file(path, "", name)
+        else:
+            file, full = tensor_file(path, part, name)
+        module_name, _, leaf = name.rpartition(".")
+        module = root.get_submodule(module_name)
+        setattr(module, leaf, nn.Parameter(read_tensor(file, full, param.dtype), requires_grad=False))
 
 
 class RowReader:
@@ -58,11 +87,25 @@ class RowReader:
             buf += self.file.read(self.row_bytes)
         return torch.frombuffer(buf, dtype=self.file_dtype).view(*ids.shape, self.shape[1]).to(self.dtype)
 
-    def head(self, n: int) -> torch.Tensor:
-        """前 n 行，一次连续读出：[n, 列数]。"""
-        self.file.seek(self.start)
-        buf = bytearray(self.file.read(n * self.row_bytes))
-        return torch.frombuffer(buf, dtype=self.file_dtype).view(n, self.shape[1]).to(self.dtype)
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """第 start…stop−1 行，一次连续读出：[stop − start, 列数]。"""
+        self.file.seek(self.start + start * self.row_bytes)
+        buf = bytearray(self.file.read((stop - start) * self.row_bytes))
+        return torch.frombuffer(buf, dtype=self.file_dtype).view(stop - start, self.shape[1]).to(self.dtype)
+
+
+class FileRows:
+    """检查点里一个矩阵的一些行（ids，None 为全部），切片时才从文件读出那一段：int8 量化（quantize_int8 一次只取
+    几千行）时内存里不必有整个 bfloat16 的矩阵。有 shape、dtype，能按行切片，BlockedLinear 就把它当权重用。"""
+
+    def __init__(self, reader: RowReader, ids: torch.Tensor | None = None):
+        self.reader, self.ids = reader, ids
+        self.shape = (reader.shape[0] if ids is None else len(ids), reader.shape[1])
+        self.dtype = reader.dtype
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        start, stop, _ = s.indices(self.shape[0])
+        return self.reader.rows(start, stop) if self.ids is None else self.reader[self.ids[start:stop]]
 
 
 class FileEmbedding(nn.Module):
