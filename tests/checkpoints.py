@@ -51,7 +51,7 @@ WIDTHS_08B = dict(
 )
 
 
-def hf_config(**overrides):
+def hf_config(tie: bool = True, **overrides):
     from transformers import Qwen3_5TextConfig
 
     kw = dict(TINY)
@@ -60,7 +60,7 @@ def hf_config(**overrides):
     return Qwen3_5TextConfig(
         **kw,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10_000_000.0,
@@ -116,14 +116,15 @@ def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, tokenizer: bool = True,
-                    out_scale: float = OUT_SCALE, **overrides):
-    """在 path 写一个随机检查点，返回 (path, transformers 模型)。"""
+                    out_scale: float = OUT_SCALE, tie: bool = True, **overrides):
+    """在 path 写一个随机检查点，返回 (path, transformers 模型)。tie=False：输出头不与嵌入共用，存在检查点顶层的
+    lm_head.weight（更大的 Qwen3.5 是这样）。"""
     from transformers import Qwen3_5ForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    cfg = hf_config(**overrides)
+    cfg = hf_config(tie, **overrides)
     torch.manual_seed(seed)
     hf = Qwen3_5ForCausalLM(cfg).float().eval()
     randomize(hf, gen, out_scale)
@@ -131,6 +132,8 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
     tensors = {}
     for k, v in hf.state_dict().items():
         if k == "lm_head.weight":
+            if not tie:
+                tensors[k] = v.to(dtype).contiguous()
             continue  # 共用嵌入：发布的检查点里没有它
         assert k.startswith("model.")
         keep32 = k.endswith("A_log") or k.endswith("linear_attn.norm.weight")  # 发布检查点里这两种存 float32
@@ -159,7 +162,7 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
     config = {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": tie,
         "text_config": text,
         "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 16},
         "image_token_id": 248056,

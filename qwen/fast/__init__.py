@@ -28,7 +28,7 @@ from ..sample import stream
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
 from .linear import (COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
                      fast_linear, gemv, read_record, write_record)
-from .rows import FileEmbedding, FileRows, RowReader, materialize, meta_tensor, tensor_file
+from .rows import FileEmbedding, FileRows, RowReader, head_tensor, materialize, meta_tensor, tensor_file
 from .step import FastModel, cache_offsets
 
 # 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章的 best_draft_count）。打包的布局读一遍权重就能
@@ -116,11 +116,6 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def head_tensor(cfg) -> tuple[str, str]:
-    """输出头在检查点里的 (部分, 名字)：共用嵌入时是嵌入表。"""
-    return ("model.", "embed_tokens.weight") if cfg.tie_word_embeddings else ("", "lm_head.weight")
 
 
 def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None) -> MTP:

@@ -31,6 +31,11 @@ def tensor_file(path, part: str, key: str) -> tuple[Path, str]:
     raise ValueError(f"检查点 {path} 里没有张量 {key}（前缀 {' 或 '.join(prefixes)}）")
 
 
+def head_tensor(cfg) -> tuple[str, str]:
+    """输出头在检查点里的 (部分, 名字)，给 tensor_file：共用嵌入时是嵌入表，不共用时在检查点的顶层。"""
+    return ("model.", "embed_tokens.weight") if cfg.tie_word_embeddings else ("", "lm_head.weight")
+
+
 def meta_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
     """第 1 章 load_weights 的 read：只读文件头里的形状，返回同样形状与 dtype 的 meta 张量（规则同 read_tensor：
     矩阵用 dtype，其余浮点张量用 float32）。真的权重等到变换那一层时由 materialize 读出。"""
@@ -47,14 +52,11 @@ def materialize(root: nn.Module, path, part: str, prefix: str = "") -> None:
     """把 root（检查点里 part 那一部分：part="model." 或 "mtp."）里名字以 prefix 开头、还在 meta 设备上的参数从检查点
     读出来（dtype 与 meta 张量相同）。加载时快路径只读了形状（meta_tensor）；变换前一层一层地读，内存里同时只有
     一层的原始权重。"""
-    tied = part == "model." and root.cfg.tie_word_embeddings
     for name, param in list(root.named_parameters(remove_duplicate=False)):
         if not name.startswith(prefix) or not param.is_meta:
             continue
-        if name == "lm_head.weight":  # 共用嵌入时读嵌入表；不共用时它在检查点的顶层
-            file, full = tensor_file(path, "model.", "embed_tokens.weight") if tied else tensor_file(path, "", name)
-        else:
-            file, full = tensor_file(path, part, name)
+        is_head = part == "model." and name == "lm_head.weight"
+        file, full = tensor_file(path, *head_tensor(root.cfg)) if is_head else tensor_file(path, part, name)
         module_name, _, leaf = name.rpartition(".")
         module = root.get_submodule(module_name)
         setattr(module, leaf, nn.Parameter(read_tensor(file, full, param.dtype), requires_grad=False))
