@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from ..attention import Attention
 from ..chunk import chunk_gated_delta_rule
 from ..deltanet import GatedDeltaNet
-from ..layer import RECURRENT_MAX_T, DecoderLayer
+from ..layer import DecoderLayer
 from ..mlp import MLP
 from .linear import fast_linear
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
+VERIFY_ROWS = max(DECODE_LENGTHS)  # 不多于这么多个 token 时逐个位置地算（DeltaNet 递推、注意力逐个查询）：与解码逐位相同
 COMPILED_PIECE = 512  # 编译的路径上长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
 
 
@@ -32,25 +33,29 @@ def recurrent_in_place(q, k, v, g, beta, S, keep_all: bool = False):
         S ← e^g S + k ⊗ δ                   推理时（不求导）就地更新传入的 S：少分配、少写一块新内存
     传入的 S 要么是状态里马上被替换的那份，要么是新建的零矩阵，所以可以覆盖。keep_all 时只有第一步就地：
     投机解码回滚时至少留下第一个 token，S₀ 用不着；之后每步新建一份，前一个位置之后的 S 才留得住。
+    每一步只用这一步的切片（delta_step），做的运算与一次只喂一个 token 时完全一样：验证几个草稿时每个位置的
+    输出与记忆，与逐个解码这几个 token 时逐位相同。
     """
-    T = q.shape[2]
     outs, states = [], []
     grad = torch.is_grad_enabled()  # 训练时不能就地改：反向传播要用每一步的旧 S
-    decay = g.exp()[..., None]  # [B, H, T, 1]：e^g
-    kq = torch.stack([k, q], dim=3)  # [B, H, T, 2, Dk]
-    qk = (q * k).sum(-1, keepdim=True)  # [B, H, T, 1]：qᵀk
-    for t in range(T):
-        d = decay[:, :, t : t + 1]  # [B, H, 1, 1]
-        pred, read = (kq[:, :, t] @ S).split(1, dim=2)  # Sᵀk、Sᵀq，各 [B, H, 1, Dv]
-        delta = (v[:, :, t : t + 1] - d * pred) * beta[:, :, t : t + 1, None]  # δ = β(v − e^g Sᵀk)
-        outs.append(d * read + qk[:, :, t : t + 1] * delta)  # o = e^g Sᵀq + (qᵀk) δ
-        if (t == 0 or not keep_all) and not grad:
-            S.mul_(d).addcmul_(k[:, :, t, :, None], delta)
-        else:
-            S = (S * d).addcmul_(k[:, :, t, :, None], delta)  # [Dk, 1] 乘 [1, Dv] 广播成外积
+    for t in range(q.shape[2]):
+        o, S = delta_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], g[:, :, t : t + 1],
+                          beta[:, :, t : t + 1], S, in_place=(t == 0 or not keep_all) and not grad)
+        outs.append(o)
         states.append(S)
-    o = outs[0] if T == 1 else torch.cat(outs, dim=2)  # [B, H, T, Dv]
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [B, H, T, Dv]
     return o, S, (states if keep_all else None)
+
+
+def delta_step(q, k, v, g, beta, S, in_place: bool):
+    """一个 token 的一步：q、k [B, H, 1, Dk]，v [B, H, 1, Dv]，g、beta [B, H, 1] → (o [B, H, 1, Dv], 新 S)。"""
+    d = g.exp()[..., None]  # [B, H, 1, 1]：e^g
+    pred, read = (torch.cat([k, q], dim=2) @ S).split(1, dim=2)  # Sᵀk、Sᵀq，各 [B, H, 1, Dv]
+    delta = (v - d * pred) * beta[..., None]  # δ = β(v − e^g Sᵀk)
+    o = d * read + (q * k).sum(-1, keepdim=True) * delta  # o = e^g Sᵀq + (qᵀk) δ
+    k_col = k.transpose(-1, -2)  # [B, H, Dk, 1]：与 δ [B, H, 1, Dv] 广播成外积
+    S = S.mul_(d).addcmul_(k_col, delta) if in_place else (S * d).addcmul_(k_col, delta)
+    return o, S
 
 
 GROUPED_FROM = 256  # 解码时缓存至少这么长才用分组矩阵乘法（更短时 SDPA 的固定开销更小）
@@ -59,9 +64,15 @@ GROUPED_FROM = 256  # 解码时缓存至少这么长才用分组矩阵乘法（�
 def attend_cache(q, k_all, v_all):
     """q [B, H, T, D] 对缓存的前 L 个位置 k_all、v_all [B, Hkv, L, D] 做因果注意力（新 token 在最后 T 个位置）→ [B, T, H·D]。
     一个查询、缓存又不短时，同一个键值头的 g 个查询头排成 g 行，一次矩阵乘法读一遍这一头的缓存：CPU 上的
-    scaled_dot_product_attention 对一个查询读长缓存读得慢（见 docs/performance.md）。"""
+    scaled_dot_product_attention 对一个查询读长缓存读得慢（见 docs/performance.md）。
+    几个查询（验证草稿，不多于 VERIFY_ROWS 个）时逐个查询地算，每个只看它自己之前的位置：与逐个解码时的运算完全
+    一样，结果逐位相同（一次算几个查询的 SDPA 按另一种顺序求和）。更多的查询（预填充）一次算完。"""
     B, H, T, D = q.shape
     Hkv, L = k_all.shape[1], k_all.shape[2]
+    if 1 < T <= VERIFY_ROWS:
+        rows = [attend_cache(q[:, :, t : t + 1], k_all[:, :, : L - T + t + 1], v_all[:, :, : L - T + t + 1])
+                for t in range(T)]
+        return torch.cat(rows, dim=1)  # [B, T, H·D]
     if T == 1 and L >= GROUPED_FROM:
         scores = (q.reshape(B, Hkv, -1, D) @ k_all.transpose(-1, -2)) * D**-0.5  # [B, Hkv, g, L]
         return (torch.softmax(scores, dim=-1) @ v_all).reshape(B, T, H * D)  # [B, Hkv, g, D] → [B, 1, H·D]
@@ -118,7 +129,7 @@ class FastDecoderLayer(DecoderLayer):
         return self.mlp.down_proj.dtype
 
     def delta_rule(self, T: int):
-        return recurrent_in_place if T <= RECURRENT_MAX_T else chunk_gated_delta_rule
+        return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
 
 
 def fuse(module, name: str, parts: list[str], kernel, quantize=None) -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +27,17 @@ from torch import nn
 PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
 BLOCK = 32  # 分块布局每块的输出个数
 BLOCK_ROWS = 8  # 编译的 matvec_blocks 一次最多乘这么多行（解码 1 行，验证 k 个草稿 k + 1 行）
-SPLIT = 4  # 一行输入时 matvec_blocks 把输入维分成几段、各用一个累加器
+SPLIT = 4  # matvec_blocks 把输入维分成几段、各用一个累加器（每一行都一样：行的结果与同时算几行无关）
 WARM_ROWS = 5  # 1～5 行（解码、验证 1～4 个草稿）的内核由 warm_up 编译好；更多的行补到 8 的倍数，不再编译别的行数
 KERNEL_ROWS = 32  # 不超过这么多行时每 8 行一段用 matvec_blocks；更多行时拼回普通布局（拼回一次有固定的代价）
-COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}  # 生成的 C++ 里允许把乘、加合成 FMA
+# 生成的 C++ 里不把乘、加合成 FMA：合不合成由编译器对每段代码各自决定，同一行在不同的图里可能一处合成、一处不合成，
+# 结果就差一点（投机解码验证的行与单独解码的行必须逐位相同，见第 14 章）
+COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off"}
+# 整步的图（step.py）：除了矩阵乘法（matvec 算子，单独编译、向量化）都生成标量代码。向量化的代码在尾部、融合的边界处
+# 换成另一种算法（exp、log1p 的向量版与标量版差一点），融合怎么切又随行数而变；标量代码里每个元素总是同一个表达式，
+# 每个归约总是按顺序加：一行的结果与同一张图里还有几行无关。也只用一个线程：行少的时候生成的代码会把一个归约
+# 拆给两个线程各加一半，拆不拆又随行数而变（这些逐元素的运算量很小，多线程本来也不划算）
+STEP_OPTIONS = COMPILE_OPTIONS | {"cpp.simdlen": 1, "cpp.threads": 1}
 
 
 class PackedLinear(nn.Module):
@@ -68,40 +76,62 @@ def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
 
 
 def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in]（M 很小）乘分块布局的权重 blocks [B, in, 32] → [M, B·32]，在 float32 里累加。
+    """x [M, S, in/S]（M 很小，输入维切成 S 段）乘分块布局的权重 blocks [B, S, in/S, 32] → [M, B·32]，在 float32 里累加。
 
-    y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。torch.compile 把 M 行的归约生成进同一个循环，权重只读一遍。
+    y[m, 32b + j] = Σ_s Σ_i x[m, s, i] · blocks[b, s, i, j]。每段各用一个累加器（一个累加器时循环被乘加的延迟卡住），
+    最后按固定的顺序 ((p₀ + p₁) + p₂) + p₃ 加起来。torch.compile 把 M 行的归约生成进同一个循环，权重只读一遍；
+    每一行的求和顺序都与只算这一行时相同：验证 k 个草稿时的每一行与单独解码那个 token 逐位相同（第 14 章）。
     不编译时它也是对的，只是每行都要物化一个与权重一样大的中间结果，很慢。
     第一行不改变 x：torch.compile 会把算出 x 的逐元素运算（比如层里的 RMSNorm）内联进这个循环，权重的每一块都把它们
     重算一遍；as_strided 要求输入是一块真实的内存，编译器只好先把 x 算好存下来，循环里只剩读权重、乘加。
-
-    一行输入时调用方先把输入维切成 4 段：x [4, in/4]、blocks [B, 4, in/4, 32]（都是视图），每段各用一个累加器，最后再
-    加起来。在函数里切（in // 4）的话，动态形状生成的循环每一步都要重算这个除法，大矩阵慢一倍。
+    输入维由调用方切好（都是视图）：在函数里切（in // 4）的话，动态形状生成的循环每一步都要重算这个除法，大矩阵慢一倍。
     int8 的权重（quantize="int8"）带每个输出的比例 scales [B, 32]：累加完再乘，归约里只有整数转浮点、乘加。
     """
     x = torch.as_strided(x, x.shape, x.stride())
-    w = blocks.float()  # [B, in, 32] 或 [B, 4, in/4, 32]
-    if w.dim() == 4:  # 一行，切成了 4 段
-        y = (w * x.float()[None, :, :, None]).sum(2).sum(1)  # [B, 32]
-        return (y if scales is None else y * scales).flatten()[None].to(x.dtype)
-    rows = [(w * x[m].float()[None, :, None]).sum(1) for m in range(x.shape[0])]  # 每个 [B, 32]
-    return torch.stack([(y if scales is None else y * scales).flatten() for y in rows]).to(x.dtype)
+    w = blocks.float()  # [B, S, in/S, 32]
+    rows = []
+    for m in range(x.shape[0]):
+        parts = (w * x[m].float()[None, :, :, None]).sum(2)  # [B, S, 32]：每段的部分和
+        y = parts[:, 0]
+        for s in range(1, parts.shape[1]):
+            y = y + parts[:, s]  # 各段按固定顺序相加
+        rows.append((y if scales is None else y * scales).flatten())
+    return torch.stack(rows).to(x.dtype)  # [M, B·32]
+
+
+MATVEC = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)  # 各种形状的矩阵共用；每种行数编译一次
+
+
+@torch.library.custom_op("qwen_fast::matvec", mutates_args=())
+def matvec(x: torch.Tensor, blocks: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, in]（M ≤ KERNEL_ROWS）乘分块布局的 blocks [B, S, in/S, 32]（输入维已切成 S 段）→ [M, B·32]：每 8 行一段交给
+    编译的 MATVEC。包成自定义算子，整步的图把它当黑盒：矩阵乘法在哪张图里都是这同一份向量化的代码，图里其余的运算
+    照 STEP_OPTIONS 生成标量代码。"""
+    split = blocks.shape[1]
+    pieces = [x[i : i + BLOCK_ROWS] for i in range(0, x.shape[0], BLOCK_ROWS)]  # 每 8 行一段
+    # 多于一段时每段复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译
+    return torch.cat([MATVEC((p if len(pieces) == 1 else p.clone()).reshape(len(p), split, -1), blocks, scales)
+                      for p in pieces])
+
+
+@matvec.register_fake
+def _(x, blocks, scales):
+    return x.new_empty(x.shape[0], blocks.shape[0] * BLOCK)
 
 
 def compile_matvec(dtype: torch.dtype = torch.float32):
-    """matvec_blocks 的编译版本。dynamic=True：各种形状的矩阵共用一份代码，每种行数 M 各编译一次（结果缓存在磁盘上）。
+    """编译的 matvec（MATVEC）：dynamic=True，各种形状的矩阵共用一份代码，每种行数 M 各编译一次（结果缓存在磁盘上）。
     加载时先按权重的 dtype 编译一行输入的版本：缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状
-    kernel = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)
     try:
         with torch.inference_mode():  # 编译结果按求导模式分开缓存：编译的就是生成时要用的那份
-            kernel(torch.ones(SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
+            MATVEC(torch.ones(1, SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
     except Exception as e:
         raise RuntimeError(
             f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
             f"{type(e).__name__}: {str(e)[:300]}。compile=False 就用 oneDNN 打包的布局。"
         ) from None
-    return kernel
+    return MATVEC
 
 
 def record_file(name: str) -> Path:
@@ -197,13 +227,8 @@ class BlockedLinear(nn.Module):
         else:
             if M > WARM_ROWS and not torch.compiler.is_compiling():  # 图外更多的行（预填充的短段）补零行到 8 的倍数
                 x2 = F.pad(x2, (0, 0, 0, -M % BLOCK_ROWS))
-            if x2.shape[0] == 1 and self.in_features % SPLIT == 0:  # 一行：输入维切成 4 段（见 matvec_blocks）
-                y = self.kernel(x2.reshape(SPLIT, -1), self.blocks.view(len(self.blocks), SPLIT, -1, BLOCK), self.scales)
-            elif x2.shape[0] <= BLOCK_ROWS:
-                y = self.kernel(x2, self.blocks, self.scales)  # [M, ⌈out/32⌉·32]
-            else:  # 每 8 行一段（复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译）
-                y = torch.cat([self.kernel(x2[i : i + BLOCK_ROWS].clone(), self.blocks, self.scales)
-                               for i in range(0, x2.shape[0], BLOCK_ROWS)])
+            split = SPLIT if self.in_features % SPLIT == 0 else 1  # 输入维切成几段（见 matvec_blocks）
+            y = torch.ops.qwen_fast.matvec(x2, self.blocks.view(len(self.blocks), split, -1, BLOCK), self.scales)
             y = y[:M, : self.out_features]  # [M, out]：去掉补的零行与零列
             y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)

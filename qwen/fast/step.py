@@ -19,7 +19,7 @@ from ..deltanet import DeltaNetState
 from ..layer import DecoderLayer
 from ..model import Model
 from ..rope import rope_tables
-from .linear import COMPILE_OPTIONS
+from .linear import STEP_OPTIONS
 
 
 @torch.compiler.nested_compile_region
@@ -60,7 +60,7 @@ class FastModel(Model):
 
     def compile_steps(self, lengths) -> None:
         self.step_lengths = tuple(lengths)
-        self.step = torch.compile(self.decode_step, dynamic=False, options=COMPILE_OPTIONS)
+        self.step = torch.compile(self.decode_step, dynamic=False, options=STEP_OPTIONS)
 
     def decode_step(self, x, pos, states):
         """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos 是 0 维张量，states 是各层的状态。"""
