@@ -2,16 +2,14 @@
 
 检查点里的 `mtp.*` 是一层“草稿头”：由主模型在位置 t 的隐藏状态 h_t（最后一次 norm 之后）和 token t+1 的嵌入预测 token t+2：
     x = fc([pre_fc_norm_embedding(e_{t+1}), pre_fc_norm_hidden(h_t)]) → 一个门控全注意力层 → norm → 共用的 lm_head
-投机解码：草稿头便宜地猜出 d₁…d_k（把自己的输出喂回去接着猜），主模型把 [last, d₁, …, d_k] 一次前向验证。
-CPU 上解码的时间几乎都花在读权重上，验证 k+1 个 token 与算 1 个差不多贵；一致的前缀全部收下，再加一个主模型自己的
-token。贪心时输出与普通解码逐 token 相同。采样时用拒绝采样（Leviathan 等 2023）：草稿 x ~ q 以 min(1, p(x)/q(x))
-接受，拒绝时从 normalize(max(0, p − q)) 里重抽，输出的分布与只从 p 采样相同。
+投机解码：草稿头便宜地猜出 d₁…d_k（喂回自己的输出接着猜），主模型把 [last, d₁, …, d_k] 一次前向验证（CPU 上解码的时间
+几乎都花在读权重上，验证 k+1 个与算 1 个差不多贵），收下一致的前缀再加一个自己的 token：贪心时输出与普通解码逐 token 相同。
+采样时用拒绝采样（Leviathan 等 2023）：x ~ q 以 min(1, p(x)/q(x)) 接受，拒绝时从 normalize(max(0, p − q)) 重抽，分布不变。
 
 回滚是难点：被拒绝的草稿已经改过每个 DeltaNet 层的记忆 S 和卷积窗口，它们无法“减掉”一个 token。
 - 简单的做法（第 11 章的 snapshot / rollback）：验证前存档，有拒绝时回退，再把收下的 token 重新喂一遍；
-- 我们的做法（第 11 章的 keep_history / commit，思路与 vLLM、SGLang 相同）：验证的前向顺手记下重建记忆要的量
-  （递推时是每个位置之后的 S，分块形式是 (S₀, G, K, U)），提交时由第 7 章的 state_after 取出最后一个被接受的位置
-  之后的 S；卷积窗口从完整输入里切出，注意力的 KV 缓存截断即可。拒绝不再多一次前向。
+- 我们的做法（第 11 章的 keep_history / commit，思路与 vLLM、SGLang 相同）：验证的前向顺手记下每个位置之后的 S（或重建它
+  要的量），提交时由第 7 章的 state_after 取出最后一个被接受的位置之后的那份；卷积窗口从完整输入里切出，KV 缓存截断。
 """
 
 import time
@@ -46,8 +44,7 @@ class MTP(nn.Module):
         self.draft_cost, self.draft_ids, self.draft_rows, self.draft_note = DRAFT_COST, None, None, "全词表"  # 见 draft_logits
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
-        """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后，送进共用的 lm_head）。
-        第 i 行是位置 start + i 的一对 (h_t, e_{t+1})，预测位置 t + 2 的 token。"""
+        """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后）：第 i 行是位置 start + i 的 (h_t, e_{t+1})，预测 t + 2。"""
         x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x.to(emb_next.dtype))  # [B, T, h]：嵌入在前，隐藏状态在后（emb_next 是权重的 dtype）
         cos, sin = rope_tables(self.cfg, start + torch.arange(x.shape[1], device=x.device))
@@ -69,8 +66,7 @@ class MTP(nn.Module):
         return drafts, qs
 
     def draft_logits(self, model, x):
-        """草稿头的输出 x [B, 1, h] → 全词表的 float32 logits。有起草词表 draft_ids（None：全词表）时只给这些 token
-        打分，读的权重少得多；词表外的 token 是 −∞，草稿头不会猜它们。"""
+        """x [B, 1, h] → 全词表的 float32 logits。有起草词表 draft_ids 时只给它们打分（读的权重少得多），其余是 −∞。"""
         if self.draft_ids is None:
             return model.lm_head(x).float()
         sub = self.draft_scores(model, x).float()  # [B, 1, n]
@@ -84,8 +80,7 @@ class MTP(nn.Module):
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
                         draft_vocab="auto", compile: bool | None = None, quantize: str | None = None) -> "MTP":
-        """读检查点里的 mtp.*。draft_vocab：起草时打分的 token，"auto"（默认：中英文常见的 token）、前 n 个 id、
-        一串 id 或 None（全词表），见附录 qwen/vocab.py；pack、compile、quantize 同 Model。"""
+        """读检查点里的 mtp.*。draft_vocab：起草时打分的 token（见附录 qwen/vocab.py）；pack、compile、quantize 同 Model。"""
         from .vocab import draft_vocabulary  # 附录：默认的起草词表要从分词器里认出中文的 token
         with torch.device("meta"):
             mtp = cls(cfg)
@@ -112,9 +107,19 @@ class SpecResult:
         return self.hits / self.drafted if self.drafted else 0.0
 
 
+def forward_hidden(model, ids, state):
+    """主模型前向 → (logits [B, T, V] float32, 最后一次 norm 之后的隐藏状态 [B, T, h])：验证要前者，草稿头要后者。"""
+    h = model.hidden(ids, state)
+    return model.lm_head(h).float(), h
+
+
 def verify(drafts, qs, logits, temperature, top_k, top_p, gen, penalty):
     """主模型的 logits [k+1, V] 检验 k 个草稿，返回 (接受数 n, 本轮的 token：d₁…d_n 加一个主模型的 token)。
-    第 i 个位置罚重复时，它前面的 i 个草稿也算已经生成过（与普通解码走到这里时一样）。"""
+    第 i 个位置罚重复时，它前面的 i 个草稿也算已经生成过（与普通解码走到这里时一样）。
+
+    “贪心时输出不变”要求第 i 行的 logits 与逐个解码到这里时逐位相同：一次算 k+1 行的矩阵乘法、注意力、分块的 DeltaNet
+    按另一种顺序求和，差一点舍入，两个 token 几乎持平时就翻转 argmax，之后的文本全变。bfloat16 把每个差放大到它的一个刻度
+    （相对 2⁻⁸），逐层累积。本章的普通模型只保证差在 float32 舍入之内；附录的快路径里每行的求和顺序与只算这一行时相同。"""
     for i, d in enumerate(drafts):
         row = penalty(logits[i : i + 1], drafts[:i])[0]
         if temperature == 0:  # 贪心：草稿必须正是主模型的 argmax
@@ -138,8 +143,7 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
 
 def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
               top_p=None, seed=None, recompute: bool = False, **more) -> SpecResult:
-    """投机解码，返回 SpecResult。draft_tokens：每轮起草几个，None（默认）时按接受率自动挑（best_draft_count）。
-    recompute=True 用简单的回滚（快照 + 重算），用于对照。more：stream_mtp 的其余参数（罚重复、接着已有的状态）。"""
+    """投机解码，返回 SpecResult。draft_tokens=None 时按接受率自动挑；recompute=True 用快照 + 重算回滚（对照）。"""
     r = SpecResult()
     for _ in stream_mtp(model, mtp, ids, max_new_tokens, stop, draft_tokens, temperature, top_k, top_p, seed,
                         recompute=recompute, result=r, **more):
@@ -151,9 +155,8 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
 def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
                top_p=None, seed=None, repetition_penalty=1.0, presence_penalty=0.0, recompute=False, result=None,
                state=None, mtp_state=None, hidden=None, history=()):
-    """投机解码，逐轮产出这一轮的新 token（列表：被接受的草稿连同主模型补的那个），细节记进 result（SpecResult）。
-    接着已有的对话时：state 已读过 history 这些 token，mtp_state 是草稿头读过它们的缓存，hidden [1, 1, h] 是最后一个位置
-    的隐藏状态；ids 是新来的 token。"""
+    """逐轮产出这一轮的新 token（被接受的草稿连同主模型补的那个），细节记进 result（SpecResult）。接着已有的对话时：state
+    已读过 history，mtp_state 是草稿头读过它们的缓存，hidden [1, 1, h] 是最后一个位置的隐藏状态；ids 是新来的 token。"""
     t0 = time.perf_counter()
     check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
@@ -188,21 +191,18 @@ def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, 
             drafts, qs = mtp.draft(model, pend_tokens, pend_hidden, pend_start, k, mtp_state, temperature, top_k, top_p,
                                    gen, penalty)
             pend_hidden, pend_tokens, pend_start = pend_hidden[:, :0], pend_tokens[:, :0], r.state.pos
-
         # 2. 验证：[last, d₁, …, d_k] 一次前向（不起草时这一步就是普通解码，不会回滚，不必记历史）
         start, feed = r.state.pos, torch.tensor([[last] + drafts], device=dev)
         snap = snapshot(r.state) if recompute else None
         if not recompute and k > 0:
             keep_history(r.state)
-        h = model.hidden(feed, r.state)  # [1, k+1, h]
+        logits, h = forward_hidden(model, feed, r.state)  # [1, k+1, V]、[1, k+1, h]
         r.forwards, r.rounds = r.forwards + 1, r.rounds + 1
-
         # 3. 接受最长的一致前缀，再加一个主模型的 token；遇到停止符或预算用完就截断
-        n, new = verify(drafts, qs, model.lm_head(h).float()[0], temperature, top_k, top_p, gen, penalty)
+        n, new = verify(drafts, qs, logits[0], temperature, top_k, top_p, gen, penalty)
         m = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))  # 停止符（含）之后的不要
         m = min(m, max_new_tokens - len(r.tokens))  # 预算用完也截断
         emitted = new[:m]  # 本轮喂进去的 token 里保留前 m 个：last 与 d₁…d_{m−1}
-
         # 4. 提交状态
         if recompute and m < k + 1:  # 有被丢弃的 token：恢复快照，再把保留的重新喂一遍
             rollback(r.state, snap)

@@ -209,12 +209,13 @@ def test_blocks_round_trip_and_eager_matvec(out):
     assert blocks.shape == (-(-out // BLOCK), 24, BLOCK)
     assert torch.equal(blocks[0, :, 1], w[1])  # 第 0 块第 1 列就是第 1 个输出的权重
     assert torch.equal(from_blocks(blocks, out), w)
+    split = blocks.view(len(blocks), 4, 6, BLOCK)  # 输入维切成 4 段
     x = torch.randn(3, 24)
-    y = matvec_blocks(x, blocks)
+    y = matvec_blocks(x.view(3, 4, 6), split)
     assert y.shape == (3, blocks.shape[0] * BLOCK)
     assert torch.allclose(y[:, :out], x @ w.T, atol=1e-5) and not y[:, out:].any()
     view = torch.randn(5, 30)[1:4, 6:]  # 不连续、有偏移的视图（像 h[:, -1:] 那样）：matvec 开头的 as_strided 不能弄丢偏移与步长
-    assert torch.allclose(matvec_blocks(view, blocks)[:, :out], view @ w.T, atol=1e-5)
+    assert torch.allclose(matvec_blocks(view.unflatten(1, (4, 6)), split)[:, :out], view @ w.T, atol=1e-5)
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
