@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from qwen.cache import State, copy_state, keep_history
 from qwen.chat import Chat
 from qwen.model import Model
 from qwen.fast import is_compiled, num_params, warm_up
@@ -42,6 +43,20 @@ def highlight(chat, result, color: bool) -> str:
             pieces.append("\x1b[42m" + chat.decode(emitted[:accepted]) + "\x1b[0m")
         pieces.append(chat.decode(emitted[accepted:]))
     return "".join(pieces)
+
+
+@torch.inference_mode()
+def verify_gap(model, ids, tokens, k: int = 4) -> float:
+    """读完提示词之后，把 tokens 的前 k+1 个一次验证，与逐个解码它们比：logits 的最大差（第 14 章 verify 的说明）。"""
+    state = State(model)
+    model(ids, state, last=True)
+    feed = torch.tensor([tokens[: k + 1]])
+    together = copy_state(state)
+    keep_history(together)  # 与投机解码的验证一样记下历史（只比 logits，不提交）
+    verified = model(feed, together)
+    alone = copy_state(state)
+    decoded = torch.cat([model(feed[:, i : i + 1], alone) for i in range(feed.shape[1])], 1)
+    return (verified - decoded).abs().max().item()
 
 
 def draft_vocab(text: str):
@@ -116,6 +131,8 @@ def main(argv=None):
             rates = ", ".join(f"{acc}/{tried}" for acc, tried in zip(r.accepted_at, r.tried_at))
             print(f"  各草稿位置（接受/验证）：{rates}")
         print(f"  输出逐 token 相同：{'是' if plain == r.tokens else '否'}")
+        if len(plain) > 1:
+            print(f"  一次验证 {min(len(plain), 5)} 个 token 与逐个解码的 logits 最大差：{verify_gap(model, ids, plain):.3g}")
         answer = chat.decode([t for t in plain if t not in chat.stop])
         print(f"  回答前 60 字：{answer[:60]!r}")
         print(f"  加速比：{a / b:.2f}×")

@@ -1,8 +1,7 @@
 """第 7 章 · Gated DeltaNet：用一个固定大小的矩阵记住全部历史。
 
-Qwen3.5 四层里有三层不是 softmax 注意力，而是“线性注意力”Gated DeltaNet。
-它不保存所有历史的 k、v，而是每个头维护一个 [128, 128] 的记忆矩阵 S，
-每来一个 token 就把 (k → v) 这对联想“写”进去：
+Qwen3.5 四层里有三层不是 softmax 注意力，而是“线性注意力”Gated DeltaNet。它不保存所有历史的 k、v，
+而是每个头维护一个 [128, 128] 的记忆矩阵 S，每来一个 token 就把 (k → v) 这对联想“写”进去：
 
     S ← exp(g) · S                    先整体衰减（g ≤ 0，门控遗忘）
     S ← S + k ⊗ β(v − Sᵀk)            delta 规则：只写入 S 还没预测对的那部分
@@ -11,10 +10,8 @@ Qwen3.5 四层里有三层不是 softmax 注意力，而是“线性注意力”
 Sᵀk 是记忆对 k 的“预测”，v − Sᵀk 是误差，β ∈ (0, 1) 是写入强度（学习率）：S 像一个在线做梯度下降的
 线性回归器。解码一个 token 的代价与上下文长度无关，状态大小也固定：这就是它比 KV 缓存省的地方。
 
-进入递推之前还有几步：in_proj_qkv 一次投影出 q、k、v；一个核宽 4 的因果深度卷积
-（每个通道只看自己最近 4 个输入）加 SiLU；q、k 做 L2 归一化，q 再乘 1/sqrt(128)；
-β = sigmoid(b)，g = −exp(A_log) · softplus(a + dt_bias)。输出经过门控 RMSNorm
-（门是 in_proj_z 的投影）再 out_proj。
+进入递推之前还有几步：in_proj_qkv 一次投影出 q、k、v；一个核宽 4 的因果深度卷积（每个通道只看自己最近 4 个输入）
+加 SiLU；q、k 做 L2 归一化，q 再乘 1/sqrt(128)；β、g 见 gates。输出经过门控 RMSNorm（门是 in_proj_z 的投影）再 out_proj。
 
 本章用逐 token 的递推（解码时用）；下一章把同样的计算改写成按 64 个 token 一块的并行形式
 （预填充与投机解码验证时用）。两者的输出与最终状态相同。
@@ -107,6 +104,10 @@ class GatedDeltaNet(nn.Module):
         """四个输入投影读同一个 x：q、k、v（一起卷积）、输出门 z、写入强度的 logit b、衰减的输入 a。"""
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
+    def gates(self, b, a):
+        """写入强度 β = sigmoid(b) ∈ (0, 1)，对数衰减 g = −exp(A_log)·softplus(a + dt_bias) ≤ 0：b、a [B, T, Hv] → 同形状。"""
+        return torch.sigmoid(b.float()), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
     def causal_conv(self, x: torch.Tensor, state: DeltaNetState | None):
         """因果深度卷积 + SiLU：x [B, T, C] → float32 [B, T, C]。返回 (输出, 拼上历史后的完整输入 [B, 3 + T, C])。
 
@@ -140,8 +141,7 @@ class GatedDeltaNet(nn.Module):
         if Hv > Hk:  # 值头多于键头：每个 q、k 头服务相邻的 Hv/Hk 个值头
             q = q.repeat_interleave(Hv // Hk, dim=2)
             k = k.repeat_interleave(Hv // Hk, dim=2)
-        beta = torch.sigmoid(b.float())  # [B, T, Hv]：写入强度
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # 对数衰减 ≤ 0
+        beta, g = self.gates(b, a)  # [B, T, Hv]：写入强度、对数衰减
 
         S = state.S if state is not None and state.S is not None else q.new_zeros(B, Hv, Dk, Dv)
         keep = state is not None and state.keep_history

@@ -76,7 +76,7 @@ class Model(nn.Module):
         if state is not None and state.valid is not None:  # 批处理：左填充
             valid = state.extend_valid(T)  # [B, pos + T]
             positions = positions - state.pad[:, None]  # [B, T]：每行从自己的第一个真实 token 数起
-        cos, sin = rope_tables(self.cfg, positions)
+        cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # [B, T, hidden]
         dtype = x.dtype  # 权重的 dtype：最后的隐藏状态转回它，交给输出头
         x = x.float()  # 残差流用 float32
@@ -85,6 +85,10 @@ class Model(nn.Module):
         if state is not None:
             state.pos += T
         return self.norm(x).to(dtype)
+
+    def rope(self, positions):
+        """各位置的 RoPE 表 cos、sin（第 5 章）。"""
+        return rope_tables(self.cfg, positions)
 
     def forward(self, ids, state=None, last: bool = False) -> torch.Tensor:
         """logits [B, T, vocab]（float32）；last=True 时只算最后一个位置 [B, 1, vocab]，预填充省下大量计算。"""

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from qwen import Model, State
 from qwen.batch import generate_batch
 from qwen.chat import Chat, TextStream, build_prompt
-from qwen.sample import generate, pick, probabilities, stream
+from qwen.sample import generate, pick, probabilities
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +107,6 @@ def test_seed_reproducible(model):
     b = generate(model, ids, 15, temperature=1.0, seed=123)
     c = generate(model, ids, 15, temperature=1.0, seed=124)
     assert a == b and a != c
-
-
-def test_stream_yields_same_as_generate(model):
-    ids = ids_of(5, seed=3)
-    assert list(stream(model, ids, 9, temperature=0.8, top_k=20, seed=5)) == generate(model, ids, 9, temperature=0.8, top_k=20, seed=5)
 
 
 def test_probabilities_truncation():

@@ -25,7 +25,7 @@ from ..attention import AttentionState
 from ..cache import State, copy_state, keep_history
 from ..mtp import MAX_DRAFTS, MTP, SpecResult, stream_mtp
 from ..sample import stream
-from .layers import COMPILED_PIECE, DECODE_LENGTHS, speed_up_layer
+from .layers import COMPILED_PIECE, DECODE_LENGTHS, PackedModel, speed_up_layer
 from .linear import (COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
                      fast_linear, gemv, read_record, write_record)
 from .rows import FileEmbedding, FileRows, RowReader, head_tensor, materialize, meta_tensor, tensor_file
@@ -83,6 +83,8 @@ def speedup(module, path, compile: bool | None = None, quantize: str | None = No
         model.piece = COMPILED_PIECE
         model.__class__ = FastModel
         model.compile_steps(DECODE_LENGTHS)
+    else:
+        model.__class__ = PackedModel
     return model
 
 

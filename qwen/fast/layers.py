@@ -16,6 +16,7 @@ from ..chunk import chunk_gated_delta_rule
 from ..deltanet import GatedDeltaNet
 from ..layer import DecoderLayer
 from ..mlp import MLP
+from ..model import Model
 from .linear import fast_linear
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
@@ -121,6 +122,32 @@ class FastAttention(Attention):
 class FastDeltaNet(GatedDeltaNet):
     def project(self, x):
         return self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # 四个输入投影拼成一个矩阵
+
+    def gates(self, b, a):
+        """验证几个草稿时逐个位置地算 β、g（见 row_by_row）。"""
+        return row_by_row(super().gates, b, a)
+
+
+def row_by_row(fn, *xs):
+    """fn 作用在 xs（沿倒数第二维有 T 行）上。1 < T ≤ VERIFY_ROWS 时一行一行地算再拼起来：不编译时 PyTorch 的逐元素运算
+    按张量的总元素数把前面的部分交给向量化的代码、剩下的尾巴交给标量代码，两者的 exp 差一点舍入；每行只有几个到几十个数
+    （每个头一个 β、g，RoPE 的几十维）时，同一行在 1 行与 T 行的张量里可能一次走向量、一次走尾巴。逐行算就总是同一种。"""
+    T = xs[0].shape[-2]
+    if not 1 < T <= VERIFY_ROWS:
+        return fn(*xs)
+    rows = [fn(*(x[..., t : t + 1, :] for x in xs)) for t in range(T)]
+    return tuple(torch.cat(parts, dim=-2) for parts in zip(*rows))
+
+
+class PackedModel(Model):
+    """打包布局的模型：解码、验证几个 token 时 RoPE 表逐个位置地算（见 row_by_row），其余照第 10 章。"""
+
+    def rope(self, positions):
+        T, rope = positions.shape[-1], super().rope
+        if not 1 < T <= VERIFY_ROWS:
+            return rope(positions)
+        tables = [rope(positions[..., t : t + 1]) for t in range(T)]  # 每个 [..., 1, rotary_dim]
+        return tuple(torch.cat(parts, dim=-2) for parts in zip(*tables))
 
 
 class FastDecoderLayer(DecoderLayer):

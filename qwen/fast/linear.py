@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -93,24 +94,42 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | 
         for s in range(1, parts.shape[1]):
             y = y + parts[:, s]  # 各段按固定顺序相加
         rows.append((y if scales is None else y * scales).flatten())
-    y = torch.stack(rows).to(x.dtype)  # [M, B·32]
-    return torch.as_strided(y, y.shape, y.stride())  # 同第一行：结果存下来，后面的运算不融合进这个循环
+    return torch.stack(rows).to(x.dtype)  # [M, B·32]
+
+
+# matvec_blocks 的编译版本：dynamic=True，各种形状的矩阵共用一份代码，每种行数 M 各编译一次（结果缓存在磁盘上）
+KERNEL = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)
+
+
+@torch.library.custom_op("qwen_fast::matvec", mutates_args=())
+def matvec(x: torch.Tensor, blocks: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [M, in]（M ≤ KERNEL_ROWS）乘分块布局的 blocks [B, S, in/S, 32]（输入维已切成 S 段）→ [M, B·32]：每 8 行一段
+    交给编译的 KERNEL。包成自定义算子，整步的图（step.py）把它当黑盒：矩阵乘法在哪张图里都是这同一份
+    代码，图里其余的运算也不会与它融合（融合的方式随行数而变，见 STEP_OPTIONS）。"""
+    if x.shape[0] <= BLOCK_ROWS:
+        return KERNEL(x.reshape(x.shape[0], blocks.shape[1], -1), blocks, scales)
+    # 多于一段时每段复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译
+    return torch.cat([KERNEL(x[i : i + BLOCK_ROWS].clone().reshape(-1, blocks.shape[1], x.shape[1] // blocks.shape[1]),
+                             blocks, scales) for i in range(0, x.shape[0], BLOCK_ROWS)])
+
+
+@matvec.register_fake
+def _(x, blocks, scales):
+    return x.new_empty(x.shape[0], blocks.shape[0] * BLOCK)
 
 
 def compile_matvec(dtype: torch.dtype = torch.float32):
-    """matvec_blocks 的编译版本。dynamic=True：各种形状的矩阵共用一份代码，每种行数 M 各编译一次（结果缓存在磁盘上）。
-    加载时先按权重的 dtype 编译一行输入的版本：缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
+    """试一试编译的 KERNEL，返回它（BlockedLinear 有它才用分块布局）。加载时先按权重的 dtype 编译一行输入的版本：缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状
-    kernel = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)
     try:
         with torch.inference_mode():  # 编译结果按求导模式分开缓存：编译的就是生成时要用的那份
-            kernel(torch.ones(1, SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
+            KERNEL(torch.ones(1, SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
     except Exception as e:
         raise RuntimeError(
             f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
             f"{type(e).__name__}: {str(e)[:300]}。compile=False 就用 oneDNN 打包的布局。"
         ) from None
-    return kernel
+    return KERNEL
 
 
 def record_file(name: str) -> Path:
@@ -207,11 +226,7 @@ class BlockedLinear(nn.Module):
             if M > WARM_ROWS and not torch.compiler.is_compiling():  # 图外更多的行（预填充的短段）补零行到 8 的倍数
                 x2 = F.pad(x2, (0, 0, 0, -M % BLOCK_ROWS))
             split = SPLIT if self.in_features % SPLIT == 0 else 1  # 输入维切成几段（见 matvec_blocks）
-            blocks = self.blocks.view(len(self.blocks), split, -1, BLOCK)  # [B, S, in/S, 32]
-            pieces = [x2[i : i + BLOCK_ROWS] for i in range(0, x2.shape[0], BLOCK_ROWS)]  # 每 8 行一段
-            # 多于一段时每段复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译
-            y = torch.cat([self.kernel((p if len(pieces) == 1 else p.clone()).reshape(len(p), split, -1), blocks,
-                                       self.scales) for p in pieces])  # [M, ⌈out/32⌉·32]
+            y = torch.ops.qwen_fast.matvec(x2, self.blocks.view(len(self.blocks), split, -1, BLOCK), self.scales)
             y = y[:M, : self.out_features]  # [M, out]：去掉补的零行与零列
             y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)
