@@ -260,19 +260,6 @@ def test_int8_logits_stay_close_and_greedy_agrees(widths08b):
     assert agree / 68 >= 0.9
 
 
-def test_int8_speculation_equals_int8_greedy(tiny):
-    """int8 的主模型与草稿头：投机解码（验证走多行的 int8 matvec）与同一个 int8 模型的贪心逐 token 相同。"""
-    from qwen.mtp import MTP, generate_mtp
-    from qwen.sample import generate
-
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32, quantize="int8")
-    mtp = MTP.from_pretrained(model.cfg, tiny[0], dtype=torch.float32, quantize="int8")
-    assert mtp.fc.blocks.dtype == torch.int8
-    for T in (9, 30):
-        ids = prompt(512, T, seed=T)
-        assert generate_mtp(model, mtp, ids, 20, draft_tokens=1)[0] == generate(model, ids, 20)
-
-
 @pytest.mark.parametrize("kw, message", [
     (dict(quantize="int4"), "只能是 None 或"), (dict(quantize="int8", compile=False), "compile=True"),
     (dict(quantize="int8", pack=False), "普通模型不量化"),
