@@ -429,3 +429,19 @@ def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):
     assert len(calls) >= 4 and calls[0][0] == 0
     for (s0, n0), (s1, _) in zip(calls, calls[1:]):
         assert s1 == s0 + n0  # 每个位置的对恰好送进草稿头一次
+
+
+def test_course_names_import(model):
+    """课程正文里的写法：from qwen.mtp import forward_hidden, snapshot, rollback, MTP, generate_mtp。
+    forward_hidden(model, ids, state) 返回 (logits, 最后一次 norm 之后的隐藏状态)，与 model(...)、model.hidden(...) 相同。"""
+    from qwen.mtp import MTP, forward_hidden, generate_mtp, rollback, snapshot  # noqa: F401
+
+    ids = ids_of(12, seed=8)
+    state = State(model)
+    with torch.inference_mode():
+        logits, hidden = forward_hidden(model, ids, state)
+        assert state.pos == 12 and torch.equal(logits, model(ids)) and torch.equal(hidden, model.hidden(ids))
+        snap = snapshot(state)
+        more = forward_hidden(model, ids[:, :3], state)[0]
+        rollback(state, snap)
+        assert state.pos == 12 and torch.equal(forward_hidden(model, ids[:, :3], state)[0], more)

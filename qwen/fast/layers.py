@@ -3,9 +3,11 @@
 变换不新建模块、不动参数的名字：把已加载的普通模块换成这里的子类（module.__class__ = 子类，对象还是那个对象），
 再把它的 nn.Linear 换成 linear.py 的布局。子类只改写章节里留好的小方法：
 - project：读同一输入的几个投影拼成一个矩阵，一次乘完再切开；
-- delta_rule：解码时 DeltaNet 用就地更新的递推（recurrent_in_place）；
-- attend：解码一个 token、缓存又不短时按键值头分组成一次矩阵乘法（attend_cache）；在 step.py 编译的图里，
-  KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）。
+- delta_rule：解码与验证草稿（不多于 VERIFY_ROWS 个 token）时 DeltaNet 用就地更新的递推（recurrent_in_place）；
+- attend：解码一个 token、缓存又不短时按键值头分组成一次矩阵乘法（attend_cache），验证几个草稿时逐个查询地算；在 step.py
+  编译的图里，KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）；
+- gates、rope：不编译时验证几个草稿的 β、g 与 RoPE 表逐行算（row_by_row）。
+验证时逐个位置的这些写法，都是为了让每一行与单独解码那个 token 时逐位相同（第 14 章）。
 """
 
 import torch

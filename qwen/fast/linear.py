@@ -121,9 +121,10 @@ def _(x, blocks, scales):
 def compile_matvec(dtype: torch.dtype = torch.float32):
     """试一试编译的 KERNEL，返回它（BlockedLinear 有它才用分块布局）。加载时先按权重的 dtype 编译一行输入的版本：缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状
+    probe = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)  # 与 KERNEL 同一份代码（缓存共用）
     try:
         with torch.inference_mode():  # 编译结果按求导模式分开缓存：编译的就是生成时要用的那份
-            KERNEL(torch.ones(1, SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
+            probe(torch.ones(1, SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
     except Exception as e:
         raise RuntimeError(
             f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
