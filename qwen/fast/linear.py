@@ -119,7 +119,8 @@ def _(x, blocks, scales):
 
 
 def compile_matvec(dtype: torch.dtype = torch.float32):
-    """试一试编译的 KERNEL，返回它（BlockedLinear 有它才用分块布局）。加载时先按权重的 dtype 编译一行输入的版本：缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
+    """试一试编译的 KERNEL，返回它（BlockedLinear 有它才用分块布局）。加载时先按权重的 dtype 编译一行输入的版本：
+    缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状
     probe = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)  # 与 KERNEL 同一份代码（缓存共用）
     try:
