@@ -130,14 +130,15 @@ class FastDeltaNet(GatedDeltaNet):
         return row_by_row(super().gates, b, a)
 
 
-def row_by_row(fn, *xs):
-    """fn 作用在 xs（沿倒数第二维有 T 行）上。1 < T ≤ VERIFY_ROWS 时一行一行地算再拼起来：不编译时 PyTorch 的逐元素运算
-    按张量的总元素数把前面的部分交给向量化的代码、剩下的尾巴交给标量代码，两者的 exp 差一点舍入；每行只有几个到几十个数
-    （每个头一个 β、g，RoPE 的几十维）时，同一行在 1 行与 T 行的张量里可能一次走向量、一次走尾巴。逐行算就总是同一种。"""
-    T = xs[0].shape[-2]
+def row_by_row(fn, *xs, dim: int = -2):
+    """fn 作用在 xs（沿 dim 维有 T 行，输出的行在倒数第二维）上。1 < T ≤ VERIFY_ROWS 时一行一行地算再拼起来：不编译时
+    PyTorch 的逐元素运算按张量的总元素数把前面的部分交给向量化的代码、剩下的尾巴交给标量代码，两者的 exp 差一点舍入；
+    每行只有几个到几十个数（每个头一个 β、g，RoPE 的几十维）时，同一行在 1 行与 T 行的张量里可能一次走向量、一次走尾巴。
+    逐行算就总是同一种。"""
+    T = xs[0].shape[dim]
     if not 1 < T <= VERIFY_ROWS:
         return fn(*xs)
-    rows = [fn(*(x[..., t : t + 1, :] for x in xs)) for t in range(T)]
+    rows = [fn(*(x.narrow(dim, t, 1) for x in xs)) for t in range(T)]
     return tuple(torch.cat(parts, dim=-2) for parts in zip(*rows))
 
 
@@ -145,11 +146,7 @@ class PackedModel(Model):
     """打包布局的模型：解码、验证几个 token 时 RoPE 表逐个位置地算（见 row_by_row），其余照第 10 章。"""
 
     def rope(self, positions):
-        T, rope = positions.shape[-1], super().rope
-        if not 1 < T <= VERIFY_ROWS:
-            return rope(positions)
-        tables = [rope(positions[..., t : t + 1]) for t in range(T)]  # 每个 [..., 1, rotary_dim]
-        return tuple(torch.cat(parts, dim=-2) for parts in zip(*tables))
+        return row_by_row(super().rope, positions, dim=-1)  # 位置 [..., T] → cos、sin [..., T, rotary_dim]
 
 
 class FastDecoderLayer(DecoderLayer):
