@@ -19,7 +19,7 @@ import torch
 from qwen.cache import State, copy_state, keep_history
 from qwen.chat import Chat
 from qwen.model import Model
-from qwen.fast import is_compiled, num_params, warm_up
+from qwen.fast import is_compiled, layout, num_params, warm_up
 from qwen.mtp import MTP, speculate
 from qwen.sample import generate
 
@@ -79,7 +79,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="强制用（--compile）或不用（--no-compile）附录里 torch.compile 编译的路径；默认能编译就用")
+                   help="--compile：解码一步再用 torch.compile 编译成图（第一次要几分钟）；--no-compile：oneDNN 打包的布局；"
+                        "默认：能编译 C++ 就用分块布局与 C++ 的 matvec")
     p.add_argument("--quantize", choices=["int8"], default=None, help="主模型与草稿头的矩阵存成 int8（编译的路径上）")
     args = p.parse_args(argv)
     if args.threads:
@@ -106,8 +107,8 @@ def main(argv=None):
     else:
         how = (f"自动（按接受率挑 0～4 个；刚才量得这台机器上每多起草一个 token 一轮多花一步的 {mtp.draft_cost:.0%}，"
                "接受率低于它时不起草）")
-    layout = ("编译的分块布局" if is_compiled(model) else "oneDNN 打包的布局") + ("，int8 的矩阵" if args.quantize else "")
-    print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{layout}，"
+    path = layout(model) + ("，int8 的矩阵" if args.quantize else "")
+    print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{path}，"
           f"每轮起草：{how}\n")
 
     color = sys.stdout.isatty()

@@ -1,7 +1,10 @@
-"""命令行对话：python -m qwen "你好"；不给提示词时进入多轮对话。"""
+"""命令行对话：python -m qwen "你好"；不给提示词时进入多轮对话。
+
+python -m qwen compile [--model …]：提前把用得着的都编译好（C++ 的 matvec；--compile 用的解码一步的图），缓存在磁盘上。"""
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -13,26 +16,41 @@ from .model import Model
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
+def number(kind, low, high=None, low_open=False):
+    """argparse 的 type：把参数转成 kind，不在 [low, high]（low_open 时 (low, high]）里就是一行清楚的错误。"""
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"要{'整数' if kind is int else '数'}，收到 {text!r}") from None
+        if x < low or (low_open and x == low) or (high is not None and x > high):
+            where = f"{'(' if low_open else '['}{low}, {'∞)' if high is None else f'{high}]'}"
+            raise argparse.ArgumentTypeError(f"要在 {where} 里，收到 {text}")
+        return x
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m qwen", description="与 Qwen3.5 对话（流式输出）")
     p.add_argument("prompt", nargs="?", help="一句话；省略时进入交互式多轮对话")
     p.add_argument("--model", default=None, help="检查点文件夹（默认：QWEN_MODEL、本地缓存或下载 Qwen/Qwen3.5-0.8B）")
     p.add_argument("--system", default=None, help="系统提示词")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=None, help="0 为贪心（默认取检查点 generation_config.json 的设置）")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None, help="出现过的 token 的 logit 除以它（1 为不罚）")
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=512)
+    p.add_argument("--temperature", type=number(float, 0), default=None, help="0 为贪心（默认取检查点 generation_config.json 的设置）")
+    p.add_argument("--top-k", type=number(int, 1), default=None)
+    p.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=None)
+    p.add_argument("--repetition-penalty", type=number(float, 0, low_open=True), default=None, help="出现过的 token 的 logit 除以它（1 为不罚）")
     p.add_argument("--presence-penalty", type=float, default=None, help="生成过的 token 的 logit 减去它（0 为不罚）")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
     p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
-    p.add_argument("--threads", type=int, default=None, help="PyTorch 线程数（默认不改）")
+    p.add_argument("--threads", type=number(int, 1), default=None, help="PyTorch 线程数（默认不改）")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="强制用（--compile）或不用（--no-compile）torch.compile 编译的路径；默认这台机器能编译 C++ 就用")
+                   help="--compile：解码一步再用 torch.compile 编译成图（第一次要几分钟，之后解码快一些）；"
+                        "--no-compile：oneDNN 打包的布局；默认：能编译 C++ 就用分块布局与 C++ 的 matvec")
     p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="矩阵存成 int8（编译的路径上）：读的字节少一半、内存少一半，输出只差量化误差")
+                   help="矩阵存成 int8（分块布局上）：读的字节少一半、内存少一半，输出只差量化误差")
     return p.parse_args(argv)
 
 
@@ -52,7 +70,29 @@ def answer(conversation, messages, args) -> str:
     return "".join(pieces)
 
 
+def prepare(argv) -> None:
+    """python -m qwen compile：编译 C++ 的 matvec 与 --compile 的图（主模型与草稿头），之后的运行从磁盘缓存读。"""
+    p = argparse.ArgumentParser(prog="python -m qwen compile",
+                                description="提前编译：C++ 的 matvec（默认路径要它），以及 --compile 用的解码一步的图")
+    p.add_argument("--model", default=None, help="检查点文件夹或 demo（默认同 python -m qwen）")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--quantize", choices=["int8"], default=None)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=True, quantize=args.quantize)
+        mtp = Conversation(Chat(model)).mtp
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        sys.exit(f"错误：{e}")
+    print(f"C++ 的 matvec 与加载：{time.perf_counter() - t0:.1f} 秒", file=sys.stderr)
+    print(f"解码一步的图（主模型{'与草稿头' if mtp is not None else ''}）：{warm_up(model, mtp, calibrate=False):.1f} 秒",
+          file=sys.stderr)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compile"]:
+        return prepare(argv[1:])
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@
 import torch
 
 from .cache import State
-from .sample import Penalty, check_sampling, make_generator, pick
+from .sample import Penalty, check_sampling, make_generator, pick, stop_ids
 
 
 @torch.inference_mode()
@@ -37,7 +37,7 @@ def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0,
     outs = [[] for _ in range(B)]
     if max_new_tokens == 0:
         return outs
-    stop = set(stop)
+    stop = stop_ids(stop)
     gen = make_generator(seed, device)
     state = State(model, valid)
     penalty = Penalty(prompts, model.cfg.vocab_size, repetition_penalty, presence_penalty)  # 只算真实 token，不算填充

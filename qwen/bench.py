@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .cache import State
-from .fast import is_compiled, warm_up
+from .fast import layout, warm_up
 from .model import Model
 from .mtp import MTP, speculate
 from .sample import generate, stream
@@ -173,7 +173,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, compile: bool | None 
     mtp = MTP.from_pretrained(model.cfg, path, dtype=dtype, compile=compile, quantize=quantize) if spec else None  # 先加载：像真实使用那样一开始就备好
     cfg, out = model.cfg, {}
     out["bytes_per_token"] = bytes_per_token(model)
-    out["compiled"] = is_compiled(model)
+    out["layout"] = layout(model)
     prompt = prompt_ids(cfg, PROMPT_LEN)
     long = prompt_ids(cfg, prefill_len, seed=1)
     with torch.inference_mode():

@@ -24,7 +24,7 @@ from .layer import DecoderLayer
 from .model import load_pretrained
 from .norm import RMSNorm
 from .rope import rope_tables
-from .sample import Penalty, check_sampling, choose, make_generator, probabilities
+from .sample import Penalty, check_sampling, choose, make_generator, probabilities, stop_ids
 from .weights import find_model
 
 MAX_DRAFTS = 4  # 自动挑选时每轮最多起草几个
@@ -168,7 +168,7 @@ def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, 
     r.accepted_at, r.tried_at = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS)
     if max_new_tokens == 0:
         return
-    stop, gen, dev = set(stop), make_generator(seed, ids.device), ids.device
+    stop, gen, dev = stop_ids(stop), make_generator(seed, ids.device), ids.device
     r.state, mtp_state, idle = state or State(model), mtp_state or AttentionState(), 0  # idle：连续几轮没有起草
     seen = torch.cat([torch.as_tensor(history, dtype=torch.long, device=dev), ids[0]])
     penalty = Penalty([seen], model.cfg.vocab_size, repetition_penalty, presence_penalty)

@@ -107,6 +107,13 @@ def choose(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, genera
     return int(torch.multinomial(p, 1, generator=generator)), p
 
 
+def stop_ids(stop) -> set:
+    """停止符是一组 token id。给的是字符串（或别的不是整数的东西）时报错，而不是悄悄地永不命中。"""
+    if isinstance(stop, (str, bytes)) or not all(hasattr(t, "__index__") for t in stop):
+        raise ValueError(f"stop 要一组 token id（整数），收到 {stop!r}：文字请先用分词器转成 id")
+    return {int(t) for t in stop}
+
+
 def make_generator(seed, device="cpu"):
     return None if seed is None else torch.Generator(device).manual_seed(seed)
 
@@ -123,7 +130,7 @@ def stream(model, ids, max_new_tokens=100, stop=(), temperature=0.0, top_k=None,
     ids = model.check_ids(ids, state)
     if ids.shape[0] != 1:
         raise ValueError("stream/generate 一次处理一个提示词；多个提示词请用 qwen.batch.generate_batch")
-    stop, gen, state = set(stop), make_generator(seed, ids.device), state or State(model)
+    stop, gen, state = stop_ids(stop), make_generator(seed, ids.device), state or State(model)
     seen = ids[0] if history is None else torch.cat([torch.as_tensor(history, dtype=torch.long, device=ids.device), ids[0]])
     penalty = Penalty([seen], model.cfg.vocab_size, repetition_penalty, presence_penalty)
     logits = model(ids, state, last=True)[:, -1]  # 预填充：只要最后一个位置的 logits

@@ -91,7 +91,8 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     assert run["qwen"]["peak_rss_gb"] > 0 and run["qwen"]["bandwidth_gb_s"] > 0
     assert len(run["qwen"]["decode_rounds"]) == len(run["transformers"]["decode_rounds"]) == 1  # 多轮的合并另有测试
     assert len(run["qwen_packed"]["decode_rounds"]) == 1 and run["qwen_packed"]["decode_tok_s"] > 0
-    assert run["qwen"]["compiled"] and not run["qwen_packed"]["compiled"]  # 默认：这台机器能编译就编译
+    assert run["qwen"]["layout"] == "分块布局、C++ 的 matvec"  # 默认：这台机器能编译 C++ 就用
+    assert run["qwen_packed"]["layout"] == "oneDNN 打包的布局"
     assert 0 < run["qwen"]["draft_cost"] < 10  # 加载后量出的起草代价
     ll = run["llama_cpp"]
     assert (ll["decode_tok_s"], ll["prefill_tok_s"], ll["decode_rounds"]) == (20, 400, [20])

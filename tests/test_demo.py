@@ -81,8 +81,7 @@ def test_demo_auto_drafts_equal_greedy_in_bfloat16():
 
 def test_chapter_script_on_demo():
     script = Path(__file__).resolve().parent.parent / "ch14_mtp.py"
-    out = subprocess.run([sys.executable, str(script), "--model", "demo", "--max-new-tokens", "24", "--prompt", "def f(x):",
-                          "--no-compile"],
+    out = subprocess.run([sys.executable, str(script), "--model", "demo", "--max-new-tokens", "24", "--prompt", "def f(x):"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     # 没有对话模板：三段代码开头，再加上 --prompt 给的一个
@@ -91,7 +90,9 @@ def test_chapter_script_on_demo():
 
 
 def test_cli_on_demo():
-    out = subprocess.run([sys.executable, "-m", "qwen", "def add(a, b):", "--model", "demo", "--max-new-tokens", "8", "--no-compile"],
+    """默认路径上的一次回答：有输出、有统计行，标准错误上没有任何警告。"""
+    out = subprocess.run([sys.executable, "-m", "qwen", "def add(a, b):", "--model", "demo", "--max-new-tokens", "8"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "token/s" in out.stderr
+    assert "Warning" not in out.stderr and "warn" not in out.stderr.lower(), out.stderr

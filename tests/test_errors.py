@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwen import Model, find_model, load_config
+from qwen import Model, find_model, generate, load_config
 
 
 def single_file_copy(src, dst, edit=None):
@@ -136,15 +137,46 @@ def test_find_model_offline_nothing_cached(tmp_path):
 
 
 def test_compile_without_a_working_compiler(tiny, monkeypatch):
-    """compile=True 而 torch.compile 生成不了代码（比如没有 C++ 编译器）：加载时就给出说明，而不是生成时从 torch 深处报错。"""
-    def broken(fn, **kwargs):
-        def run(*args):
-            raise OSError("g++: command not found")
-        return run
+    """compile=True 而这台机器编译不了 C++ 的 matvec（比如没有 C++ 编译器）：加载时就给出说明与办法，而不是从 torch 深处报错。"""
+    import qwen.fast.kernel as kernel
 
-    monkeypatch.setattr(torch, "compile", broken)
-    with pytest.raises(RuntimeError, match="compile=True 需要.*g\\+\\+.*command not found"):
+    def broken(cxx):
+        raise RuntimeError("编译 matvec.cpp 失败：g++: command not found")
+
+    monkeypatch.setattr(kernel, "load_kernel", broken)
+    with pytest.raises(RuntimeError, match="compile=True 要用这台机器的 C\\+\\+ 编译器.*command not found.*compile=False"):
         Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-new-tokens", "-3"], "argument --max-new-tokens: 要在 \\[1, ∞\\) 里，收到 -3"),
+    (["--top-p", "0"], "argument --top-p: 要在 \\(0, 1\\] 里，收到 0"),
+    (["--top-k", "abc"], "argument --top-k: 要整数，收到 'abc'"),
+    (["--temperature", "-1"], "argument --temperature: 要在 \\[0, ∞\\) 里"),
+    (["--dtype", "int4"], "argument --dtype: invalid choice"),
+])
+def test_cli_argument_errors(args, message, capsys):
+    """命令行参数由解析器检查：一行说明哪个参数、要什么、收到什么，退出码 2，没有 traceback。"""
+    from qwen.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["你好", *args])
+    assert exit.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_stop_must_be_token_ids(small):
+    """stop 给成字符串（或别的不是整数的东西）时报错，而不是悄悄地永不命中。"""
+    from qwen.batch import generate_batch
+    from qwen.mtp import speculate
+
+    model = small
+    ids = torch.tensor([[1, 2, 3]])
+    for call in (lambda: generate(model, ids, 5, stop="<|im_end|>"), lambda: generate(model, ids, 5, stop=[1.5]),
+                 lambda: generate_batch(model, [[1, 2]], 5, stop="x"), lambda: speculate(model, None, ids, 5, stop="x")):
+        with pytest.raises(ValueError, match="stop 要一组 token id"):
+            call()
+    assert len(generate(model, ids, 5, stop=[torch.tensor(7)])) <= 5  # 0 维整数张量也是 id
 
 
 # ---------- 第 1、10 章：坏的文件、坏的配置、坏的 id ----------

@@ -27,10 +27,12 @@ def lively08b(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("lively08b"), seed=4, out_scale=1.0, **TWO_LAYERS)[0]
 
 
-PATHS = {  # 名字 → (检查点, from_pretrained 的参数)
+PATHS = {  # 名字 → (检查点, from_pretrained 的参数)；默认：分块布局与 C++ 的 matvec，不编译图
     "packed-float32": ("lively", dict(dtype=torch.float32, compile=False)),
+    "default-float32": ("lively", dict(dtype=torch.float32)),
     "compiled-float32": ("lively", dict(dtype=torch.float32, compile=True)),
     "packed-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, compile=False)),
+    "default-bfloat16": ("lively08b", dict(dtype=torch.bfloat16)),
     "compiled-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, compile=True)),
     "int8": ("lively08b", dict(dtype=torch.bfloat16, quantize="int8")),
 }
@@ -76,7 +78,7 @@ def test_verified_rows_are_decoded_rows(request, name):
                     assert torch.equal(a.S, b.S) and torch.equal(a.conv, b.conv)
 
 
-@pytest.mark.parametrize("name", ["compiled-bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["default-bfloat16", "compiled-bfloat16", "int8"])
 def test_bfloat16_speculation_equals_greedy(request, name):
     """bfloat16 与 int8、0.8B 的宽度：投机解码（固定 k = 1、2、3 与自动挑 k）与同一模型的普通贪心逐 token 相同，48 个 token。
     草稿由“知道答案”的草稿器给出（以 0.6 的概率对），接受与拒绝都常发生；warm_up 之后不再编译任何图。"""

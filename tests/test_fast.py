@@ -1,12 +1,14 @@
 """附录 qwen.fast：每条快路径给出与普通路径相同的结果（float32 下 logits 差在舍入之内、token 逐个相同）。"""
 
+import subprocess
+
 import pytest
 import torch
 
 from qwen import Model, State
 from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
-from qwen.fast.linear import (BLOCK, BlockedLinear, PackedLinear, compile_matvec, from_blocks, matvec_blocks,
+from qwen.fast.linear import (BLOCK, BlockedLinear, PackedLinear, from_blocks, load_matvec, matvec_blocks,
                               quantize_int8, to_blocks)
 from qwen.fast.rows import FileEmbedding, FileRows, RowReader
 
@@ -31,7 +33,7 @@ def packed_model(tiny):
 
 @pytest.fixture(scope="module")
 def compiled_model(tiny):
-    """compile=True：分块布局、编译的 matvec（1～8 行），每层处理 1、2 个或一整段 token 时整层编译（第 1、9、10 章）。"""
+    """compile=True：分块布局、C++ 的 matvec，解码与验证 1～4 个草稿的一步编译成图（附录 step.py）。"""
     model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
     mlp = model.layers[0].mlp
     assert isinstance(mlp.gate_up, BlockedLinear) and isinstance(mlp.down_proj, BlockedLinear)
@@ -88,7 +90,7 @@ def test_compiled_decode_does_not_recompile(compiled_model):
 
 
 def test_compiled_speculation_equals_greedy_without_recompiling(compiled_model, tiny_model, tiny):
-    """默认（能编译时）的路径：warm_up 编译好解码、验证 1～4 个草稿、草稿头送进 1～5 对的各张图，并量出起草的代价；
+    """compile=True 的路径：warm_up 编译好解码、验证 1～4 个草稿、草稿头送进 1～5 对的各张图，并量出起草的代价；
     之后投机解码（固定 k 与自动挑 k）与普通布局的贪心逐 token 相同，并且不再编译任何图。"""
     from torch._dynamo.utils import counters
 
@@ -96,7 +98,7 @@ def test_compiled_speculation_equals_greedy_without_recompiling(compiled_model, 
     from qwen.mtp import MTP, speculate
     from qwen.sample import generate
 
-    mtp = MTP.from_pretrained(compiled_model.cfg, tiny[0], dtype=torch.float32, draft_vocab=300)
+    mtp = MTP.from_pretrained(compiled_model.cfg, tiny[0], dtype=torch.float32, draft_vocab=300, compile=True)
     assert isinstance(mtp, FastMTP) and mtp.step is not None
     warm_up(compiled_model, mtp)
     assert mtp.draft_cost < 10
@@ -115,12 +117,12 @@ def test_compiler_check_is_cached_on_disk(tiny, tmp_path, monkeypatch):
 
     tries = []
 
-    def broken(dtype=torch.float32):
-        tries.append(dtype)
+    def broken(cxx=None):
+        tries.append(cxx)
         raise RuntimeError("no compiler")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(linear, "compile_matvec", broken)
+    monkeypatch.setattr(linear, "load_matvec", broken)
     assert not linear.can_compile() and not linear.can_compile() and len(tries) == 1
     assert "false" in (tmp_path / "qwen" / "compiler.json").read_text()
     model = Model.from_pretrained(tiny[0], dtype=torch.float32)
@@ -203,27 +205,26 @@ def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
 
 
 @pytest.mark.parametrize("out", [32, 45, 70])
-def test_blocks_round_trip_and_eager_matvec(out):
-    """to_blocks / from_blocks 互逆（out 不是 32 的倍数时补零行）；不编译的 matvec_blocks 与 F.linear 一致。"""
+def test_blocks_round_trip_and_matvec(out):
+    """to_blocks / from_blocks 互逆（out 不是 32 的倍数时补零行）；matvec_blocks（定义）与 F.linear 一致，
+    C++ 的 matvec 与它一致，输入是有偏移、不连续的视图（像 h[:, -1:] 那样）也对。"""
     w = torch.randn(out, 24, generator=torch.Generator().manual_seed(out))
     blocks = to_blocks(w)
     assert blocks.shape == (-(-out // BLOCK), 24, BLOCK)
     assert torch.equal(blocks[0, :, 1], w[1])  # 第 0 块第 1 列就是第 1 个输出的权重
     assert torch.equal(from_blocks(blocks, out), w)
-    split = blocks.view(len(blocks), 4, 6, BLOCK)  # 输入维切成 4 段
-    x = torch.randn(3, 24)
-    y = matvec_blocks(x.view(3, 4, 6), split)
-    assert y.shape == (3, blocks.shape[0] * BLOCK)
+    x = torch.randn(5, 30)[1:5, 6:]  # [4, 24] 的视图
+    y = matvec_blocks(x, blocks)
+    assert y.shape == (4, blocks.shape[0] * BLOCK)
     assert torch.allclose(y[:, :out], x @ w.T, atol=1e-5) and not y[:, out:].any()
-    view = torch.randn(5, 30)[1:4, 6:]  # 不连续、有偏移的视图（像 h[:, -1:] 那样）：matvec 开头的 as_strided 不能弄丢偏移与步长
-    assert torch.allclose(matvec_blocks(view.unflatten(1, (4, 6)), split)[:, :out], view @ w.T, atol=1e-5)
+    assert torch.allclose(load_matvec()(x, blocks, None), y, atol=1e-5)
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_compiled_bfloat16_matvec_matches_linear(quantize):
-    """bfloat16 的分块矩阵（编译的 matvec；一行输入切成 4 段）与 F.linear 差在 bfloat16 舍入之内，1～8 行与长的预填充都是。
+    """bfloat16 的分块矩阵（C++ 的 matvec）与 F.linear 差在 bfloat16 舍入之内，1～8 行与长的预填充都是。
     int8 的与反量化的权重 q·s 一致；q·s 离原来的权重不超过半个量化步长 s/2。"""
-    kernel = compile_matvec(torch.bfloat16)
+    kernel = load_matvec()
     w = torch.randn(70, 256, generator=torch.Generator().manual_seed(0)).bfloat16()  # 70：最后一块补零行
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and ((q.float() * scale[:, None] - w.float()).abs() <= scale[:, None] / 2 + 1e-6).all()
@@ -261,7 +262,7 @@ def test_int8_logits_stay_close_and_greedy_agrees(widths08b):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(quantize="int4"), "只能是 None 或"), (dict(quantize="int8", compile=False), "compile=True"),
+    (dict(quantize="int4"), "只能是 None 或"), (dict(quantize="int8", compile=False), "不能与 compile=False"),
     (dict(quantize="int8", pack=False), "普通模型不量化"),
 ])
 def test_bad_quantize_is_refused(tiny, kw, message):
@@ -326,3 +327,38 @@ def test_untied_output_head_on_every_path(tmp_path):
     x = torch.randn(1, 1, model.cfg.hidden_size)
     with torch.inference_mode():
         assert torch.allclose(mtp.draft_logits(model, x)[..., [3, 9, 40]], x @ hf.lm_head.weight[[3, 9, 40]].T, atol=1e-5)
+
+
+def test_kernel_cache_is_per_machine_and_rebuilt_when_broken(tmp_path, monkeypatch):
+    """C++ 的 matvec 缓存在 $XDG_CACHE_HOME/qwen/kernels/：换了 CPU、torch 版本或源码就是另一个文件（别处写下的从不加载）；
+    文件坏了（加载时 OSError）就重新编译一次，而不是崩溃。"""
+    import qwen.fast.kernel as kernel
+    from qwen.fast.linear import find_compiler
+
+    cxx = find_compiler()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    here = kernel.kernel_file(cxx)
+    assert here.parent == tmp_path / "qwen" / "kernels"
+    monkeypatch.setattr(kernel, "cpu_fingerprint", lambda: "另一种 CPU")
+    assert kernel.kernel_file(cxx) != here
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert kernel.kernel_file(cxx) != here
+    monkeypatch.setattr(torch, "__version__", torch.__version__)
+
+    built = []
+
+    def build(cxx, out):  # 代替真的编译：编一个空的共享库（加载它什么也不注册）
+        src = tmp_path / "empty.c"
+        src.write_text("int qwen_test_symbol;\n")
+        subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(out)], check=True)
+        built.append(out)
+
+    monkeypatch.setattr(kernel, "build", build)
+    here.parent.mkdir(parents=True)
+    here.write_bytes(b"not a shared library")  # 坏的文件（比如写到一半被打断的旧版本）
+    kernel.load_or_build(here, cxx)
+    assert built == [here]
+    kernel.load_or_build(here, cxx)  # 好的文件：直接加载，不再编译
+    assert built == [here]

@@ -3,8 +3,8 @@
 章节里的模型是普通的 torch 模块；Model.from_pretrained() 与 MTP.from_pretrained() 默认把加载好的模型交给
 这里的 speedup()，像 gpt-fast 的 quantize.py 变换一个普通模型那样，换掉模块或属性，章节不知道它的存在：
 
-- linear.py：矩阵的布局。这台机器能编译 C++ 时（默认，can_compile 只试一次、记在磁盘上）按 32 个输出分块、
-  由 torch.compile 生成的 matvec 来乘（BlockedLinear）；否则（或 compile=False）打包成 oneDNN 布局（PackedLinear）。
+- linear.py：矩阵的布局。这台机器能编译 C++ 时（默认，见 can_compile）按 32 个输出分块、由 C++ 的 matvec 来乘
+  （BlockedLinear；kernel.py 编译 matvec.cpp 一次）；否则（或 compile=False）打包成 oneDNN 布局（PackedLinear）。
   读同一输入的几个投影拼成一个矩阵。
 - rows.py：输出头换了布局之后，与它共用的嵌入表留在检查点文件里，查表时按行读（FileEmbedding）。
 - layers.py：各层换成改写了几个小方法的子类：拼接的投影、就地更新的 DeltaNet 递推、按键值头分组的解码注意力。
@@ -27,7 +27,7 @@ from ..cache import State, copy_state, keep_history
 from ..mtp import MAX_DRAFTS, MTP, SpecResult, stream_mtp
 from ..sample import stream
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, PackedModel, speed_up_layer
-from .linear import (COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, compile_matvec,
+from .linear import (COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, load_matvec,
                      fast_linear, gemv, read_record, write_record)
 from .rows import FileEmbedding, FileRows, RowReader, head_tensor, materialize, meta_tensor, tensor_file
 from .step import FastModel, cache_offsets
@@ -47,24 +47,26 @@ def preferred_dtype() -> torch.dtype:
 
 def speedup(module, path, compile: bool | None = None, quantize: str | None = None):
     """变换一个已加载的 Model 或 MTP（path 是它的检查点文件夹），返回同一个对象。这台机器用不了时原样返回。
-    compile=None：能编译（can_compile，结果记在磁盘上）就用编译的分块布局，否则 oneDNN 打包的布局；True、False 强制其一。
-    quantize="int8"：全部矩阵（含输出头）存成逐输出通道的 int8（quantize_int8），只在编译的路径上有。"""
+    compile=None：这台机器能编译 C++（can_compile）就用分块布局与 C++ 的 matvec，否则 oneDNN 打包的布局；
+    compile=True：分块布局，另把解码与验证的一步用 torch.compile 编译成图（warm_up 时编译，第一次要几分钟）；
+    compile=False：oneDNN 打包的布局。
+    quantize="int8"：全部矩阵（含输出头）存成逐输出通道的 int8（quantize_int8），只在分块布局上有。"""
     if quantize not in (None, "int8"):
         raise ValueError(f'quantize 只能是 None 或 "int8"，收到 {quantize!r}')
     some = next(m.weight for m in module.modules() if isinstance(m, nn.Linear))
     on_cpu = some.device.type in ("cpu", "meta")  # meta：刚读了形状，权重在文件里，读出来就在 CPU 上
-    compile = can_compile() if compile is None else compile
-    if quantize and not (compile and on_cpu):
-        raise ValueError('quantize="int8" 的矩阵乘法是 torch.compile 在 CPU 上生成的：要 compile=True（或默认、且这台机器'
-                         "能编译 C++，见 can_compile），不能与 compile=False 或别的设备一起用")
+    blocked = can_compile() if compile is None else compile  # 分块布局要这台机器编得出 C++ 的 matvec
+    if quantize and not (blocked and on_cpu):
+        raise ValueError('quantize="int8" 的矩阵乘法是 C++ 的 matvec（matvec.cpp）：要这台机器能编译 C++（见 can_compile），'
+                         "不能与 compile=False 或别的设备一起用")
     part = "mtp." if isinstance(module, MTP) else "model."
-    if not on_cpu or not (compile or can_pack(some)):
+    if not on_cpu or not (blocked or can_pack(some)):
         materialize(module, path, part)  # 不变换：整个读出来，就是章节里的普通模型
         return module
-    kernel = compile_matvec(some.dtype) if compile else None
+    kernel = load_matvec() if blocked else None
     if isinstance(module, MTP):
         materialize(module, path, part)  # 草稿头只有一层
-        return speed_up_mtp(module, path, kernel, quantize)
+        return speed_up_mtp(module, path, kernel, quantize, graphs=compile is True)
     model = module
     # 先换最大的输出头，嵌入表留在文件里（从不读进内存）；之后一层一层地读出、换掉。int8 的输出头从文件里
     # 一段一段地读出来量化（FileRows）：内存里不必有整个 bfloat16 的输出头
@@ -80,12 +82,11 @@ def speedup(module, path, compile: bool | None = None, quantize: str | None = No
         materialize(model, path, part, f"layers.{i}.")
         speed_up_layer(layer, kernel, quantize)
         release_memory()  # 这一层的原始权重已经释放：还给操作系统，下一层的临时内存不再往上垒
-    if kernel is not None:  # 解码一步（全部层）编译成一张图：解码一个 token、验证几个草稿
+    model.__class__ = PackedModel if kernel is None else FastModel
+    if kernel is not None:
         model.piece = COMPILED_PIECE
-        model.__class__ = FastModel
+    if compile is True:  # 只有明说要编译，才把解码一步（全部层）编译成图：解码一个 token、验证几个草稿
         model.compile_steps(DECODE_LENGTHS)
-    else:
-        model.__class__ = PackedModel
     return model
 
 
@@ -121,12 +122,12 @@ def release_memory() -> None:
         pass
 
 
-def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None) -> MTP:
+def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None, graphs: bool = False) -> MTP:
     mtp.fc = fast_linear([mtp.fc], kernel, quantize)
     speed_up_layer(mtp.layers[0], kernel, quantize)
     mtp.__class__ = FastMTP
     mtp.draft_cost = (PACKED_COST if kernel is None else COMPILED_COST) / mtp.cfg.num_hidden_layers
-    if kernel is not None:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
+    if graphs:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
         mtp.step = torch.compile(MTP.forward.__get__(mtp), dynamic=False, options=COMPILE_OPTIONS)
     mtp.draft_head = None  # 输出头里起草词表的那几行：从检查点读一份（主模型的输出头已换了布局）
     if mtp.draft_ids is not None:  # 编译的路径上是 int8 的分块布局（草稿只是猜测，量化误差只会偶尔少收一个草稿）
@@ -145,8 +146,15 @@ def num_params(module: nn.Module) -> int:
 
 
 def is_compiled(model) -> bool:
-    """model 走不走编译的路径（分块布局、整步编译的图）。"""
-    return isinstance(model, FastModel)
+    """model 的解码一步是不是 torch.compile 编译的图（compile=True）。"""
+    return isinstance(model, FastModel) and bool(model.step_lengths)
+
+
+def layout(model) -> str:
+    """一句话说 model 走哪条路径（命令行与第 14 章打印）。"""
+    if isinstance(model, FastModel):
+        return "分块布局、C++ 的 matvec" + ("，解码一步编译成图" if is_compiled(model) else "")
+    return "oneDNN 打包的布局" if isinstance(model, PackedModel) else "普通的 nn.Linear"
 
 
 @torch.inference_mode()
@@ -174,7 +182,7 @@ def warm_up(model, mtp=None, calibrate: bool = True) -> float:
         mtp.draft_logits(model, hidden[:, :1])
     if mtp is not None and calibrate:
         int8 = getattr(model.lm_head, "scales", None) is not None
-        key = (f"{model.cfg} · {model.dtype}{' · int8' if int8 else ''} · {type(model.lm_head).__name__} · 草稿词表 {mtp.draft_note} · "
+        key = (f"{model.cfg} · {model.dtype}{' · int8' if int8 else ''} · {layout(model)} · 草稿词表 {mtp.draft_note} · "
                f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
         cost = read_record("draft_cost.json", key)
         if not isinstance(cost, float):  # 这台机器上没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）

@@ -143,7 +143,8 @@ def row_by_row(fn, *xs, dim: int = -2):
 
 
 class PackedModel(Model):
-    """打包布局的模型：解码、验证几个 token 时 RoPE 表逐个位置地算（见 row_by_row），其余照第 10 章。"""
+    """换了布局（打包；分块的 FastModel 是它的子类）的模型：解码、验证几个 token 时 RoPE 表逐个位置地算（见 row_by_row），
+    其余照第 10 章。"""
 
     def rope(self, positions):
         return row_by_row(super().rope, positions, dim=-1)  # 位置 [..., T] → cos、sin [..., T, rotary_dim]

@@ -5,8 +5,8 @@
 - PackedLinear（compile=False，或这台机器编译不了时）：PyTorch 在 CPU 上把 bfloat16 矩阵乘法交给 oneDNN，而 oneDNN 每次调用都先把 [out, in] 的权重
   重排成它的分块布局：权重实际被读写了三遍。加载时重排一次（_reorder_linear_weight），之后每次只读一遍，
   1 到 8 行输入（投机解码一次验证几个 token）读的都是同样一遍权重。bfloat16 内核在 4 行时读得最快，不足 4 行就补零行。
-- BlockedLinear（默认，能编译时）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；torch.compile 为 matvec_blocks
-  生成一个小循环：逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。两个线程各自顺序读自己那一半，硬件预取最顺手。
+- BlockedLinear（默认，能编译时）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；matvec.cpp 的小循环（kernel.py
+  编译一次）逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。两个线程各自顺序读自己那一半，硬件预取最顺手。
   行数多时（长的预填充）每个乘加读到的权重少，就先拼回普通布局交给 F.linear。
 - gemv：一行输入乘普通布局的权重时绕开 oneDNN，用 PyTorch 自己的 gemv（草稿头给输出头的前几万行打分时用）。
 
@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +25,11 @@ from torch import nn
 
 PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
 BLOCK = 32  # 分块布局每块的输出个数
-BLOCK_ROWS = 8  # 编译的 matvec_blocks 一次最多乘这么多行（解码 1 行，验证 k 个草稿 k + 1 行）
-SPLIT = 4  # matvec_blocks 把输入维分成几段、各用一个累加器（每一行都一样：行的结果与同时算几行无关）
-WARM_ROWS = 5  # 1～5 行（解码、验证 1～4 个草稿）的内核由 warm_up 编译好；更多的行补到 8 的倍数，不再编译别的行数
-KERNEL_ROWS = 32  # 不超过这么多行时每 8 行一段用 matvec_blocks；更多行时拼回普通布局（拼回一次有固定的代价）
-# 生成的 C++ 里不把乘、加合成 FMA：合不合成由编译器对每段代码各自决定，同一行在不同的图里可能一处合成、一处不合成，
-# 结果就差一点（投机解码验证的行与单独解码的行必须逐位相同，见第 14 章）
+KERNEL_ROWS = 32  # 不超过这么多行时用 C++ 的 matvec；更多行（长的预填充）时拼回普通布局交给 F.linear（拼回一次有固定的代价）
+# 编译的图（step.py 的整步、草稿头）生成的 C++ 里不把乘、加合成 FMA：合不合成由编译器对每段代码各自决定，同一行在
+# 不同的图里可能一处合成、一处不合成，结果就差一点（投机解码验证的行与单独解码的行必须逐位相同，见第 14 章）
 COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off"}
-# 整步的图（step.py）：小的运算（norm、逐元素）只用一个线程。行少的时候生成的代码会把一个归约拆给两个线程各加一半，
-# 拆不拆随行数而变；矩阵乘法的输出多，照样按输出分给各个线程
+# 整步的图：小的运算（norm、逐元素）只用一个线程。行少的时候生成的代码会把一个归约拆给两个线程各加一半，拆不拆随行数而变
 STEP_OPTIONS = COMPILE_OPTIONS | {"cpp.min_chunk_size": 1 << 15}
 
 
@@ -74,64 +69,37 @@ def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
 
 
 def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, S, in/S]（M 很小，输入维切成 S 段）乘分块布局的权重 blocks [B, S, in/S, 32] → [M, B·32]，在 float32 里累加。
-
-    y[m, 32b + j] = Σ_s Σ_i x[m, s, i] · blocks[b, s, i, j]。每段各用一个累加器（一个累加器时循环被乘加的延迟卡住），
-    最后按固定的顺序 ((p₀ + p₁) + p₂) + p₃ 加起来。torch.compile 把 M 行的归约生成进同一个循环，权重只读一遍；
-    每一行的求和顺序都与只算这一行时相同：验证 k 个草稿时的每一行与单独解码那个 token 逐位相同（第 14 章）。
-    不编译时它也是对的，只是每行都要物化一个与权重一样大的中间结果，很慢。
-    第一行不改变 x：torch.compile 会把算出 x 的逐元素运算（比如层里的 RMSNorm）内联进这个循环，权重的每一块都把它们
-    重算一遍；as_strided 要求输入是一块真实的内存，编译器只好先把 x 算好存下来，循环里只剩读权重、乘加。
-    输入维由调用方切好（都是视图）：在函数里切（in // 4）的话，动态形状生成的循环每一步都要重算这个除法，大矩阵慢一倍。
-    int8 的权重（quantize="int8"）带每个输出的比例 scales [B, 32]：累加完再乘，归约里只有整数转浮点、乘加。
-    """
-    x = torch.as_strided(x, x.shape, x.stride())
-    w = blocks.float()  # [B, S, in/S, 32]
-    rows = []
-    for m in range(x.shape[0]):
-        parts = (w * x[m].float()[None, :, :, None]).sum(2)  # [B, S, 32]：每段的部分和
-        y = parts[:, 0]
-        for s in range(1, parts.shape[1]):
-            y = y + parts[:, s]  # 各段按固定顺序相加
-        rows.append((y if scales is None else y * scales).flatten())
-    return torch.stack(rows).to(x.dtype)  # [M, B·32]
+    """x [M, in] 乘分块布局的权重 blocks [B, in, 32]（int8 的再乘每个输出的比例 scales [B, 32]）→ [M, B·32]：
+    y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。这是它的定义，写成 PyTorch 给人读、给测试对照；
+    真正用的是 matvec.cpp 里同一个公式的 C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
+    y = torch.einsum("mi,bij->mbj", x.float(), blocks.float())  # [M, B, 32]
+    y = y if scales is None else y * scales
+    return y.flatten(1).to(x.dtype)
 
 
-# matvec_blocks 的编译版本：dynamic=True，各种形状的矩阵共用一份代码，每种行数 M 各编译一次（结果缓存在磁盘上）
-KERNEL = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)
+def load_matvec(cxx: str | None = None):
+    """加载（第一次在这台机器上先编译）C++ 的 matvec，返回算子 torch.ops.qwen_fast.matvec；BlockedLinear 有它才用分块布局。
+    cxx：C++ 编译器，默认 inductor 用的那个。失败时 RuntimeError 说明原因与办法。"""
+    from .kernel import load_kernel
 
-
-@torch.library.custom_op("qwen_fast::matvec", mutates_args=())
-def matvec(x: torch.Tensor, blocks: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [M, in]（M ≤ KERNEL_ROWS）乘分块布局的 blocks [B, S, in/S, 32]（输入维已切成 S 段）→ [M, B·32]：每 8 行一段
-    交给编译的 KERNEL。包成自定义算子，整步的图（step.py）把它当黑盒：矩阵乘法在哪张图里都是这同一份
-    代码，图里其余的运算也不会与它融合（融合的方式随行数而变，见 STEP_OPTIONS）。"""
-    if x.shape[0] <= BLOCK_ROWS:
-        return KERNEL(x.reshape(x.shape[0], blocks.shape[1], -1), blocks, scales)
-    # 多于一段时每段复制成自己的一份：编译的代码按输入的起始偏移特化，偏移为 0 就不必多编译
-    return torch.cat([KERNEL(x[i : i + BLOCK_ROWS].clone().reshape(-1, blocks.shape[1], x.shape[1] // blocks.shape[1]),
-                             blocks, scales) for i in range(0, x.shape[0], BLOCK_ROWS)])
-
-
-@matvec.register_fake
-def _(x, blocks, scales):
-    return x.new_empty(x.shape[0], blocks.shape[0] * BLOCK)
-
-
-def compile_matvec(dtype: torch.dtype = torch.float32):
-    """试一试编译的 KERNEL，返回它（BlockedLinear 有它才用分块布局）。加载时先按权重的 dtype 编译一行输入的版本：
-    缺 C++ 编译器之类的问题在加载时就报出来，而不是在第一次生成时。"""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # 测试里各种小模型的形状
-    probe = torch.compile(matvec_blocks, dynamic=True, options=COMPILE_OPTIONS)  # 与 KERNEL 同一份代码（缓存共用）
     try:
-        with torch.inference_mode():  # 编译结果按求导模式分开缓存：编译的就是生成时要用的那份
-            probe(torch.ones(1, SPLIT, 2, dtype=dtype), torch.ones(2, SPLIT, 2, BLOCK, dtype=dtype))  # 一行输入的版本
+        load_kernel(cxx or find_compiler())
     except Exception as e:
         raise RuntimeError(
-            f"compile=True 需要 torch.compile 在这台机器上生成并编译 C++ 代码（要装 g++ 或 clang），但失败了："
+            f"compile=True 要用这台机器的 C++ 编译器（g++ 或 clang）编译 qwen/fast/matvec.cpp 并加载，但失败了："
             f"{type(e).__name__}: {str(e)[:300]}。compile=False 就用 oneDNN 打包的布局。"
         ) from None
-    return KERNEL
+    return torch.ops.qwen_fast.matvec
+
+
+def find_compiler() -> str | None:
+    """inductor 用的 C++ 编译器的完整路径；没有时 None。"""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        return shutil.which(get_cpp_compiler())
+    except Exception:  # 找不到任何 C++ 编译器时 inductor 自己就报错
+        return None
 
 
 def record_file(name: str) -> Path:
@@ -164,27 +132,21 @@ def write_record(name: str, key: str, value) -> None:
 
 
 def can_compile() -> bool:
-    """from_pretrained 默认（compile=None）用不用编译的分块布局：torch.compile 能在这台机器上生成并编译 C++ 才用。
-    第一次真的编译一个小 matvec 试试，结果按 torch 版本与编译器（路径、修改时间）记在 record_file("compiler.json") 里：
-    之后加载不再试；装上或换了编译器、换了 torch，记录对不上，就重新试一次。"""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        cxx = shutil.which(get_cpp_compiler())
-    except Exception:  # 找不到任何 C++ 编译器时 inductor 自己就报错
-        cxx = None
+    """from_pretrained 默认（compile=None）用不用编译的路径（分块布局、整步编译的图）：这台机器有 C++ 编译器、
+    编得出并加载得了 matvec.cpp 才用。编不了的结果按 torch 版本与编译器（路径、修改时间）记在 record_file("compiler.json")
+    里，之后加载不再试；装上或换了编译器、换了 torch，记录对不上，就重新试一次。编得了的不必记：.so 本身就在缓存里。"""
+    cxx = find_compiler()
     if cxx is None:
         return False
     key = f"torch {torch.__version__} · {cxx} · {os.stat(cxx).st_mtime_ns}"
-    works = read_record("compiler.json", key)
-    if works is None:  # 没有记录（或编译器、torch 换了）：试一次
-        try:
-            compile_matvec(torch.float32)
-            works = True
-        except RuntimeError:
-            works = False
-        write_record("compiler.json", key, works)
-    return works
+    if read_record("compiler.json", key) is False:
+        return False
+    try:
+        load_matvec(cxx)
+        return True
+    except RuntimeError:
+        write_record("compiler.json", key, False)
+        return False
 
 
 def quantize_int8(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +162,7 @@ def quantize_int8(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor,
 
 
 class BlockedLinear(nn.Module):
-    """分块布局的矩阵（to_blocks），不超过 KERNEL_ROWS 行输入时用 kernel（compile_matvec() 的结果）每 8 行一段地乘。
+    """分块布局的矩阵（to_blocks），不超过 KERNEL_ROWS 行输入时用 kernel（load_matvec() 给的 C++ 算子）乘。
     quantize="int8"：权重存成 int8 的块加每个输出一个 float32 比例（quantize_int8），字节数是 bfloat16 的一半。"""
 
     def __init__(self, weight: torch.Tensor, kernel, bias=None, quantize: str | None = None):
@@ -225,11 +187,7 @@ class BlockedLinear(nn.Module):
         if M > KERNEL_ROWS:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
             y = F.linear(x2, self.dense(), self.bias)
         else:
-            if M > WARM_ROWS and not torch.compiler.is_compiling():  # 图外更多的行（预填充的短段）补零行到 8 的倍数
-                x2 = F.pad(x2, (0, 0, 0, -M % BLOCK_ROWS))
-            split = SPLIT if self.in_features % SPLIT == 0 else 1  # 输入维切成几段（见 matvec_blocks）
-            y = torch.ops.qwen_fast.matvec(x2, self.blocks.view(len(self.blocks), split, -1, BLOCK), self.scales)
-            y = y[:M, : self.out_features]  # [M, out]：去掉补的零行与零列
+            y = self.kernel(x2, self.blocks, self.scales)[:, : self.out_features]  # [M, out]：去掉补的零列
             y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)
 

@@ -6,8 +6,9 @@
 - 位置不作为 Python 整数进图（那样每一步都是一个新常数、都要重新编译），而是一个 0 维张量 pos；
 - KV 缓存的写入与读取是一个自定义算子 cached_attention：图把它当黑盒，它在图外照常按 pos 写入、读前 pos + T 个位置。
   缓存的缓冲区只在图外扩容（cache_offsets），长度那一维标成动态的，扩容也不重新编译。
-每种 token 数（解码 1 个、验证 1～4 个草稿）、记不记历史各编译一次，之后每步就是一次调用。矩阵乘法在图里是自定义算子
-qwen_fast::matvec（linear.py）：每张图里都是同一份代码，图里其余的运算也不与它融合，一行的结果与图里有几行无关。
+每种 token 数（解码 1 个、验证 1～4 个草稿）、记不记历史各编译一次，之后每步就是一次调用。矩阵乘法在图里是 C++ 算子
+qwen_fast::matvec（matvec.cpp）：图把它当外部调用，每张图里都是同一份代码，图里其余的运算也不与它融合，
+一行的结果与图里有几行无关。
 结构相同的 DeltaNet 层在图里是同一段可复用的代码（nested_compile_region），0.8B 的 18 层只编译一次。
 """
 
@@ -18,8 +19,8 @@ import torch
 from ..attention import AttentionState
 from ..deltanet import DeltaNetState
 from ..layer import DecoderLayer
-from ..model import Model
 from ..rope import rope_tables
+from .layers import PackedModel
 from .linear import STEP_OPTIONS
 
 
@@ -54,13 +55,17 @@ def cache_offsets(states, pos: int, T: int):
         s.length += T
 
 
-class FastModel(Model):
-    """解码与验证（一个提示词、不多于 5 个 token、状态已有预填充）走整步编译的图，其余照第 10 章。"""
+class FastModel(PackedModel):
+    """分块布局的模型。compile_steps 之后，解码与验证（一个提示词、不多于 5 个 token、状态已有预填充）走整步编译的图；
+    其余（以及不编译时）照第 10 章，RoPE 表逐个位置地算（PackedModel）。"""
 
-    step_lengths = ()  # 哪些 token 数走编译的一步
+    step_lengths = ()  # 哪些 token 数走编译的一步（没编译时没有）
 
     def compile_steps(self, lengths) -> None:
         self.step_lengths = tuple(lengths)
+        # 每个模型每种长度、记不记历史各一张图，都挂在同一个函数（decode_step）上；torch 默认一个函数最多 8 张，
+        # 超了就悄悄不编译、逐个算子地跑（结果不再逐位相同）。一个进程里加载几个模型（测试、笔记本）也够用
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.step = torch.compile(self.decode_step, dynamic=False, options=STEP_OPTIONS)
 
     def decode_step(self, x, pos, states):
