@@ -13,7 +13,7 @@ from torch import nn
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab_size, hidden_size) * 0.02)  # [vocab, hidden]；从零训练时的初值
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size).uniform_(-0.035, 0.035))  # [vocab, hidden]；从零训练时的初值（标准差约 0.02）
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]  # [B, T] → [B, T, hidden]

@@ -4,7 +4,7 @@
 累加器，每一行的求和顺序固定（验证的行与解码的行逐位相同，第 14 章）。它注册成 torch 算子 torch.ops.qwen_fast.matvec：
 不编译时直接调用，整步编译的图（step.py）把它当成一个外部调用，每次只花几微秒。
 
-第一次用时拿这台机器的 C++ 编译器（inductor 用的那个）编译它（十几秒），.so 存在 $XDG_CACHE_HOME/qwen/kernels/ 下，
+第一次用时拿这台机器的 C++ 编译器（linear.py 的 find_compiler）编译它（十几秒），.so 存在 $XDG_CACHE_HOME/qwen/kernels/ 下，
 文件名里是源码、torch 版本、编译器与 CPU 的指纹：换了其中任何一个就是另一个文件名，别的机器或别的 torch 写下的文件
 从不加载（-march=native 编出的代码换一种 CPU 可能跑不了）。先写到临时文件再改名，几个进程同时编译也不会读到半个文件。
 像 llama.cpp 的 CPU 后端一样：模型的图是一回事，读权重的内核是另一回事。

@@ -79,7 +79,7 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | 
 
 def load_matvec(cxx: str | None = None):
     """加载（第一次在这台机器上先编译）C++ 的 matvec，返回算子 torch.ops.qwen_fast.matvec；BlockedLinear 有它才用分块布局。
-    cxx：C++ 编译器，默认 inductor 用的那个。失败时 RuntimeError 说明原因与办法。"""
+    cxx：C++ 编译器，默认 find_compiler() 找到的那个。失败时 RuntimeError 说明原因与办法。"""
     from .kernel import load_kernel
 
     try:
@@ -93,13 +93,13 @@ def load_matvec(cxx: str | None = None):
 
 
 def find_compiler() -> str | None:
-    """inductor 用的 C++ 编译器的完整路径；没有时 None。"""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        return shutil.which(get_cpp_compiler())
-    except Exception:  # 找不到任何 C++ 编译器时 inductor 自己就报错
-        return None
+    """这台机器的 C++ 编译器的完整路径（环境变量 CXX，否则 g++、c++、clang++ 里先找到的）；没有时 None。
+    不问 inductor：导入它要好几秒，而默认路径根本用不到它。"""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        path = shutil.which(name) if name else None
+        if path:
+            return path
+    return None
 
 
 def record_file(name: str) -> Path:
