@@ -19,7 +19,7 @@ import torch
 from qwen.cache import State, copy_state, keep_history
 from qwen.chat import Chat
 from qwen.model import Model
-from qwen.fast import is_compiled, layout, num_params, warm_up
+from qwen.fast import is_compiled, layout, num_params, same_layout, warm_up
 from qwen.mtp import MTP, speculate
 from qwen.sample import generate
 
@@ -90,7 +90,7 @@ def main(argv=None):
         model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile,
                                       quantize=args.quantize)
         mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.dtype, draft_vocab=args.draft_vocab,
-                                  compile=args.compile, quantize=args.quantize)
+                                  compile=same_layout(model), quantize=args.quantize)
         chat = Chat(model)
         if is_compiled(model):
             print("编译解码与投机解码用的图（第一次在这台机器上要几十秒，之后从磁盘缓存读）……", flush=True)

@@ -87,6 +87,9 @@ def prepare(argv) -> None:
     print(f"C++ 的 matvec 与加载：{time.perf_counter() - t0:.1f} 秒", file=sys.stderr)
     print(f"解码一步的图（主模型{'与草稿头' if mtp is not None else ''}）：{warm_up(model, mtp, calibrate=False):.1f} 秒",
           file=sys.stderr)
+    if mtp is not None:  # 默认路径上起草一个 token 的代价（自动挑草稿数用）：量一次，记下来
+        default = Model.from_pretrained(model.path, dtype=model.dtype, quantize=args.quantize)
+        print(f"默认路径上起草的代价：量了 {warm_up(default, Conversation(Chat(default)).mtp):.1f} 秒", file=sys.stderr)
 
 
 def main(argv=None):
@@ -109,7 +112,7 @@ def main(argv=None):
         seconds = warm_up(model, conversation.mtp)
         print(f"\r（编译解码用的图：{seconds:.1f} 秒）" if seconds > 3 else "\r" + " " * 20 + "\r", file=sys.stderr)
     elif conversation.mtp is not None:
-        warm_up(model, conversation.mtp)  # 只量一量这台机器上起草的代价
+        warm_up(model, conversation.mtp, calibrate="recorded")  # 起草的代价：用量过的（python -m qwen compile 量）
     messages = [{"role": "system", "content": args.system}] if args.system else []
     try:
         if args.prompt is not None:

@@ -48,14 +48,12 @@ def generation_defaults(path) -> dict:
 
 def load_draft_head(model, path):
     """检查点有 mtp.* 时读出草稿头（与主模型同样的布局），没有时返回 None。"""
-    from .fast import is_compiled
-    from .fast.linear import BlockedLinear  # 草稿头要与主模型同样的布局
+    from .fast import same_layout  # 草稿头要与主模型同样的布局
 
     try:
         head = model.lm_head
-        compile = True if is_compiled(model) else (None if isinstance(head, BlockedLinear) else False)
         return MTP.from_pretrained(model.cfg, path, dtype=model.dtype, pack=not isinstance(head, nn.Linear),
-                                   compile=compile,
+                                   compile=same_layout(model),
                                    quantize="int8" if getattr(head, "scales", None) is not None else None)
     except ValueError as e:
         if "没有 mtp.*" in str(e):

@@ -64,9 +64,10 @@ def speedup(module, path, compile: bool | None = None, quantize: str | None = No
         materialize(module, path, part)  # 不变换：整个读出来，就是章节里的普通模型
         return module
     kernel = load_matvec() if blocked else None
+    dtype, raw = some.dtype, kernel is not None and not quantize  # 分块布局：矩阵按文件里的 dtype 读，换布局时一起转
     if isinstance(module, MTP):
-        materialize(module, path, part)  # 草稿头只有一层
-        return speed_up_mtp(module, path, kernel, quantize, graphs=compile is True)
+        materialize(module, path, part, raw=raw)  # 草稿头只有一层
+        return speed_up_mtp(module, path, kernel, quantize, graphs=compile is True, dtype=dtype)
     model = module
     # 先换最大的输出头，嵌入表留在文件里（从不读进内存）；之后一层一层地读出、换掉。int8 的输出头从文件里
     # 一段一段地读出来量化（FileRows）：内存里不必有整个 bfloat16 的输出头
@@ -74,13 +75,13 @@ def speedup(module, path, compile: bool | None = None, quantize: str | None = No
         model.lm_head = BlockedLinear(FileRows(RowReader(*tensor_file(path, *head_tensor(model.cfg)), some.dtype)),
                                       kernel, quantize=quantize)
     else:
-        materialize(model, path, part, "lm_head.")
-        model.lm_head = fast_linear([model.lm_head], kernel)
+        materialize(model, path, part, "lm_head.", raw=raw)
+        model.lm_head = fast_linear([model.lm_head], kernel, dtype=dtype)
     model.embed_tokens = FileEmbedding(RowReader(*tensor_file(path, "model.", "embed_tokens.weight"), some.dtype))
     materialize(model, path, part, "norm.")
     for i, layer in enumerate(model.layers):
-        materialize(model, path, part, f"layers.{i}.")
-        speed_up_layer(layer, kernel, quantize)
+        materialize(model, path, part, f"layers.{i}.", raw=raw)
+        speed_up_layer(layer, kernel, quantize, dtype)
         release_memory()  # 这一层的原始权重已经释放：还给操作系统，下一层的临时内存不再往上垒
     model.__class__ = PackedModel if kernel is None else FastModel
     if kernel is not None:
@@ -122,9 +123,9 @@ def release_memory() -> None:
         pass
 
 
-def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None, graphs: bool = False) -> MTP:
-    mtp.fc = fast_linear([mtp.fc], kernel, quantize)
-    speed_up_layer(mtp.layers[0], kernel, quantize)
+def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None, graphs: bool = False, dtype=None) -> MTP:
+    mtp.fc = fast_linear([mtp.fc], kernel, quantize, dtype)
+    speed_up_layer(mtp.layers[0], kernel, quantize, dtype)
     mtp.__class__ = FastMTP
     mtp.draft_cost = (PACKED_COST if kernel is None else COMPILED_COST) / mtp.cfg.num_hidden_layers
     if graphs:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
@@ -150,6 +151,11 @@ def is_compiled(model) -> bool:
     return isinstance(model, FastModel) and bool(model.step_lengths)
 
 
+def same_layout(model):
+    """给草稿头的 compile 参数，让它与主模型走同一条路径：编译的图 True，分块布局 None，其余 False。"""
+    return True if is_compiled(model) else (None if isinstance(model, FastModel) else False)
+
+
 def layout(model) -> str:
     """一句话说 model 走哪条路径（命令行与第 14 章打印）。"""
     if isinstance(model, FastModel):
@@ -158,10 +164,11 @@ def layout(model) -> str:
 
 
 @torch.inference_mode()
-def warm_up(model, mtp=None, calibrate: bool = True) -> float:
+def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
     """把解码与投机解码要用的图都编译好（第一次在这台机器上要一会儿，之后从磁盘缓存读），返回用了几秒。
     calibrate 且有草稿头时，再量一量一轮投机解码在这台机器上比一步普通解码贵多少，设给 mtp.draft_cost（见 measure_draft_cost）；
     量出的值按模型的配置、dtype、布局、线程数记在 record_file("draft_cost.json") 里，之后直接用（删掉这个文件就重新量）。
+    calibrate="recorded"：只用记下的值，没有就保留初值，不当场量（命令行：第一个回答不等这十几秒）。
     不编译的布局（打包、普通）没有图要编译，只做校准。"""
     t0 = time.perf_counter()
     ids = torch.arange(1, 9)[None] % model.cfg.vocab_size  # 随便 8 个 token
@@ -185,10 +192,10 @@ def warm_up(model, mtp=None, calibrate: bool = True) -> float:
         key = (f"{model.cfg} · {model.dtype}{' · int8' if int8 else ''} · {layout(model)} · 草稿词表 {mtp.draft_note} · "
                f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
         cost = read_record("draft_cost.json", key)
-        if not isinstance(cost, float):  # 这台机器上没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）
+        if not isinstance(cost, float) and calibrate != "recorded":  # 没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）
             cost = measure_draft_cost(model, mtp, ids)
             write_record("draft_cost.json", key, cost)
-        mtp.draft_cost = cost
+        mtp.draft_cost = cost if isinstance(cost, float) else mtp.draft_cost
     return time.perf_counter() - t0
 
 

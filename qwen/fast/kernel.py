@@ -1,15 +1,17 @@
-"""附录 · 一个手写的 C++ 内核：分块布局的矩阵乘几行输入（matvec.cpp），编译一次，之后直接加载。
+"""附录 · 一个手写的 C++ 内核：分块布局的矩阵乘几行输入（matvec.cpp），编译一次，用 ctypes 调用。
 
 解码的矩阵乘法只有 1～5 行输入，时间都花在读权重上；matvec.cpp 是一个几十行的循环，逐块顺序读权重、乘加进每行的
-累加器，每一行的求和顺序固定（验证的行与解码的行逐位相同，第 14 章）。它注册成 torch 算子 torch.ops.qwen_fast.matvec：
-不编译时直接调用，整步编译的图（step.py）把它当成一个外部调用，每次只花几微秒。
+累加器，每一行的求和顺序固定（验证的行与解码的行逐位相同，第 14 章）。它不包含 torch 的头文件，一两秒就编译完；
+Kernel 用 ctypes 把张量的数据指针交给它（调用时放开 GIL）。整步编译的图（step.py）里它是算子 torch.ops.qwen_fast.matvec
+（register_ops：图把它当外部调用）。加载权重时换布局、量化成 int8 也在这里（to_blocks、quantize_int8），一遍读完。
 
-第一次用时拿这台机器的 C++ 编译器（linear.py 的 find_compiler）编译它（十几秒），.so 存在 $XDG_CACHE_HOME/qwen/kernels/ 下，
-文件名里是源码、torch 版本、编译器与 CPU 的指纹：换了其中任何一个就是另一个文件名，别的机器或别的 torch 写下的文件
-从不加载（-march=native 编出的代码换一种 CPU 可能跑不了）。先写到临时文件再改名，几个进程同时编译也不会读到半个文件。
+第一次用时拿这台机器的 C++ 编译器（linear.py 的 find_compiler）编译它，.so 存在 $XDG_CACHE_HOME/qwen/kernels/ 下，
+文件名里是源码、编译器与 CPU 的指纹：换了其中任何一个就是另一个文件名，别的机器写下的文件从不加载（-march=native
+编出的代码换一种 CPU 可能跑不了）。先写到临时文件再改名，几个进程同时编译也不会读到半个文件；坏的文件重新编译。
 像 llama.cpp 的 CPU 后端一样：模型的图是一回事，读权重的内核是另一回事。
 """
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -20,7 +22,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
+NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}  # 入口名字里的 dtype
 
 
 def cpu_fingerprint() -> str:
@@ -34,26 +38,20 @@ def cpu_fingerprint() -> str:
 
 
 def kernel_file(cxx: str) -> Path:
-    """这台机器、这个 torch、这个编译器编译 matvec.cpp 得到的 .so 该在哪儿。"""
+    """这台机器、这个编译器编译 matvec.cpp 得到的 .so 该在哪儿。"""
     from .linear import record_file
 
-    key = "\n".join([SOURCE.read_text(), torch.__version__, cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(),
-                     " ".join(FLAGS)])
+    key = "\n".join([SOURCE.read_text(), cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(), " ".join(FLAGS)])
     return record_file("kernels") / f"matvec-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
 
 
 def build(cxx: str, out: Path) -> None:
     """用 cxx 把 matvec.cpp 编译成 out（先写临时文件，编好了再改名）。失败时 RuntimeError 带上编译器的报错。"""
-    from torch.utils.cpp_extension import include_paths, library_paths
-
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    cmd = [cxx, str(SOURCE), "-o", tmp, *FLAGS, abi, *[f"-I{p}" for p in include_paths()],
-           *[f"-L{p}" for p in library_paths()], "-ltorch_cpu", "-lc10"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run([cxx, str(SOURCE), "-o", tmp, *FLAGS], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"编译 {SOURCE.name} 失败：{done.stderr.strip()[-600:]}")
         os.replace(tmp, out)
@@ -62,23 +60,84 @@ def build(cxx: str, out: Path) -> None:
             os.remove(tmp)
 
 
-def load_kernel(cxx: str) -> None:
-    """让 torch.ops.qwen_fast.matvec 可用：已经加载过就什么也不做；否则加载这台机器编好的 .so（没有就先编译）。"""
-    if hasattr(torch.ops.qwen_fast, "matvec"):
-        return
-    load_or_build(kernel_file(cxx), cxx)
-    torch.library.register_fake("qwen_fast::matvec")(fake_matvec)
-
-
-def load_or_build(out: Path, cxx: str) -> None:
+def load_or_build(out: Path, cxx: str) -> ctypes.CDLL:
     """加载 out；没有这个文件、或它坏了（加载时 OSError）就用 cxx 重新编译一次再加载。编译或加载失败时报错。"""
     try:
-        torch.ops.load_library(str(out))
+        return ctypes.CDLL(str(out))
     except OSError:
         build(cxx, out)
-        torch.ops.load_library(str(out))
+        return ctypes.CDLL(str(out))
+
+
+PTR, I64 = ctypes.c_void_p, ctypes.c_int64
+ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果的 dtype）
+    **{f"matvec_{t}": [PTR, I64, I64, PTR, PTR, PTR, I64] for t in ("f32", "bf16", "i8")},
+    **{f"to_blocks_{s}_{d}": [PTR, I64, I64, I64, PTR] for s in ("f32", "bf16") for d in ("f32", "bf16")},
+    **{f"quantize_int8_{t}": [PTR, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
+}
+
+
+class Kernel:
+    """编好的 matvec.cpp：三个函数，参数与结果都是张量。"""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        for name, args in ENTRIES.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
+        self.matvecs = {dtype: getattr(lib, f"matvec_{name}") for dtype, name in NAMES.items()}  # 按权重的 dtype
+
+    def matvec(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]）→ [M, B·32]，dtype 同 x。"""
+        xf = x.float().contiguous()
+        y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
+        self.matvecs[blocks.dtype](xf.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(),
+                                   None if scales is None else scales.data_ptr(), y.data_ptr(), blocks.shape[0])
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def to_blocks(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """几个 [out_i, in] 的矩阵上下拼起来 → 分块布局 [⌈Σ out_i / 32⌉, in, 32]，dtype（float32 或 bfloat16），补零行。"""
+        rows, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        out = torch.empty(-(-rows // BLOCK), n_in, BLOCK, dtype=dtype)
+        out[-1, :, rows % BLOCK or BLOCK :] = 0  # 最后一块补的零行
+        row0 = 0
+        for p in parts:
+            src = p.contiguous() if p.dtype in (torch.float32, torch.bfloat16) else p.float().contiguous()
+            getattr(self.lib, f"to_blocks_{NAMES[src.dtype]}_{NAMES[dtype]}")(src.data_ptr(), p.shape[0], n_in, row0,
+                                                                               out.data_ptr())
+            row0 += p.shape[0]
+        return out
+
+    def quantize_int8(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """对称的逐行 int8：(q [n, in] int8，s [n] float32)，公式见 linear.py 的 quantize_int8。"""
+        src = w.contiguous() if w.dtype in (torch.float32, torch.bfloat16) else w.float().contiguous()
+        q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0])
+        getattr(self.lib, f"quantize_int8_{NAMES[src.dtype]}")(src.data_ptr(), w.shape[0], w.shape[1], q.data_ptr(),
+                                                                scale.data_ptr())
+        return q, scale
+
+
+OPS = []  # register_ops 注册的算子库：对象留着，注册才留着（一个进程只注册一次）
+
+
+def register_ops(kernel: Kernel) -> None:
+    """把 kernel.matvec 注册成 torch.ops.qwen_fast.matvec，整步编译的图里用（图外直接调用 kernel.matvec，少一层分派）。"""
+    if OPS:
+        return
+    lib = torch.library.Library("qwen_fast", "FRAGMENT")
+    lib.define("matvec(Tensor x, Tensor blocks, Tensor? scales) -> Tensor")
+    lib.impl("matvec", kernel.matvec, "CPU")
+    torch.library.register_fake("qwen_fast::matvec", lib=lib)(fake_matvec)
+    OPS.append(lib)
 
 
 def fake_matvec(x, blocks, scales):
     """torch.compile 追踪整步的图时只需要输出的形状与 dtype。"""
     return x.new_empty(x.shape[0], blocks.shape[0] * blocks.shape[2])
+
+
+def load_kernel(cxx: str) -> Kernel:
+    """加载这台机器编好的 matvec.cpp（没有就先编译），注册算子，返回 Kernel。"""
+    kernel = Kernel(load_or_build(kernel_file(cxx), cxx))
+    register_ops(kernel)
+    return kernel

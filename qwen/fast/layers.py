@@ -159,26 +159,27 @@ class FastDecoderLayer(DecoderLayer):
         return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
 
 
-def fuse(module, name: str, parts: list[str], kernel, quantize=None) -> None:
+def fuse(module, name: str, parts: list[str], kernel, quantize=None, dtype=None) -> None:
     """module 的几个投影（parts，读同一输入）拼成一个矩阵 module.<name>，记下各自的宽度以便切开；原来的投影删掉。"""
     linears = [getattr(module, p) for p in parts]
-    setattr(module, name, fast_linear(linears, kernel, quantize))
+    setattr(module, name, fast_linear(linears, kernel, quantize, dtype))
     setattr(module, name + "_sizes", [m.out_features for m in linears])
     for p in parts:
         delattr(module, p)
 
 
-def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None) -> None:
-    """把一个已加载的解码层就地换成快的版本（kernel 给定时用分块布局，quantize="int8" 时存成 int8；否则打包的布局）。"""
+def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) -> None:
+    """把一个已加载的解码层就地换成快的版本（kernel 给定时用分块布局、矩阵转成 dtype，quantize="int8" 时存成 int8；
+    否则打包的布局）。"""
     layer.__class__ = FastDecoderLayer
     layer.mlp.__class__ = FastMLP
-    fuse(layer.mlp, "gate_up", ["gate_proj", "up_proj"], kernel, quantize)
-    layer.mlp.down_proj = fast_linear([layer.mlp.down_proj], kernel, quantize)
+    fuse(layer.mlp, "gate_up", ["gate_proj", "up_proj"], kernel, quantize, dtype)
+    layer.mlp.down_proj = fast_linear([layer.mlp.down_proj], kernel, quantize, dtype)
     if layer.layer_type == "linear_attention":
         mixer, name, parts, out = layer.linear_attn, "in_proj", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "out_proj"
         mixer.__class__ = FastDeltaNet
     else:
         mixer, name, parts, out = layer.self_attn, "qkv", ["q_proj", "k_proj", "v_proj"], "o_proj"
         mixer.__class__ = FastAttention
-    fuse(mixer, name, parts, kernel, quantize)
-    setattr(mixer, out, fast_linear([getattr(mixer, out)], kernel, quantize))
+    fuse(mixer, name, parts, kernel, quantize, dtype)
+    setattr(mixer, out, fast_linear([getattr(mixer, out)], kernel, quantize, dtype))

@@ -78,18 +78,17 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | 
 
 
 def load_matvec(cxx: str | None = None):
-    """加载（第一次在这台机器上先编译）C++ 的 matvec，返回算子 torch.ops.qwen_fast.matvec；BlockedLinear 有它才用分块布局。
+    """加载（第一次在这台机器上先编译，一两秒）C++ 的 matvec，返回 kernel.Kernel；BlockedLinear 有它才用分块布局。
     cxx：C++ 编译器，默认 find_compiler() 找到的那个。失败时 RuntimeError 说明原因与办法。"""
     from .kernel import load_kernel
 
     try:
-        load_kernel(cxx or find_compiler())
+        return load_kernel(cxx or find_compiler())
     except Exception as e:
         raise RuntimeError(
             f"compile=True 要用这台机器的 C++ 编译器（g++ 或 clang）编译 qwen/fast/matvec.cpp 并加载，但失败了："
             f"{type(e).__name__}: {str(e)[:300]}。compile=False 就用 oneDNN 打包的布局。"
         ) from None
-    return torch.ops.qwen_fast.matvec
 
 
 def find_compiler() -> str | None:
@@ -132,13 +131,13 @@ def write_record(name: str, key: str, value) -> None:
 
 
 def can_compile() -> bool:
-    """from_pretrained 默认（compile=None）用不用编译的路径（分块布局、整步编译的图）：这台机器有 C++ 编译器、
-    编得出并加载得了 matvec.cpp 才用。编不了的结果按 torch 版本与编译器（路径、修改时间）记在 record_file("compiler.json")
-    里，之后加载不再试；装上或换了编译器、换了 torch，记录对不上，就重新试一次。编得了的不必记：.so 本身就在缓存里。"""
+    """from_pretrained 默认（compile=None）用不用分块布局：这台机器有 C++ 编译器、编得出并加载得了 matvec.cpp 才用
+    （第一次编译一两秒，之后从缓存加载）。编不了的结果按编译器（路径、修改时间）记在 record_file("compiler.json") 里，
+    之后加载不再试，用打包的布局；装上或换了编译器，记录对不上，就重新试一次。"""
     cxx = find_compiler()
     if cxx is None:
         return False
-    key = f"torch {torch.__version__} · {cxx} · {os.stat(cxx).st_mtime_ns}"
+    key = f"{cxx} · {os.stat(cxx).st_mtime_ns}"
     if read_record("compiler.json", key) is False:
         return False
     try:
@@ -149,31 +148,32 @@ def can_compile() -> bool:
         return False
 
 
-def quantize_int8(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """对称的逐输出通道 int8：W ≈ q · s，s = max|W 的这一行| / 127 → (q [out, in] int8, s [out] float32)。
-    每次只把 rows 行转成 float32 算：输出头整个转一遍要 1 GB 的临时内存。"""
+def quantize_int8(weight, kernel, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """对称的逐输出通道 int8：W ≈ q · s，s = max|W 的这一行| / 127（全零的行取个极小值，q 还是 0），
+    q = round(W / s) → (q [out, in] int8, s [out] float32)。算的是 kernel（matvec.cpp）里同一个公式的 C++ 循环；
+    每次只读 rows 行：权重可以是还在文件里的 FileRows，内存里不必有整个 bfloat16 的输出头。"""
     q = torch.empty(weight.shape, dtype=torch.int8)
     scale = torch.empty(weight.shape[0])
     for i in range(0, weight.shape[0], rows):
-        w = weight[i : i + rows].detach().float()
-        s = scale[i : i + rows] = w.abs().amax(1).clamp(min=1e-12) / 127  # 全零的行比例取个极小值，q 还是 0
-        q[i : i + rows] = torch.round(w / s[:, None]).clamp(-127, 127)
+        q[i : i + rows], scale[i : i + rows] = kernel.quantize_int8(weight[i : i + rows].detach())
     return q, scale
 
 
 class BlockedLinear(nn.Module):
     """分块布局的矩阵（to_blocks），不超过 KERNEL_ROWS 行输入时用 kernel（load_matvec() 给的 C++ 算子）乘。
+    weight 可以是几个读同一输入的矩阵（上下拼起来），换布局时顺便转成 dtype（C++ 的 to_blocks 一遍完成）。
     quantize="int8"：权重存成 int8 的块加每个输出一个 float32 比例（quantize_int8），字节数是 bfloat16 的一半。"""
 
-    def __init__(self, weight: torch.Tensor, kernel, bias=None, quantize: str | None = None):
+    def __init__(self, weight, kernel, bias=None, quantize: str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
+        parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+        self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        self.dtype = dtype or parts[0].dtype
         if quantize == "int8":
-            q, scale = quantize_int8(weight)
+            q, scale = quantize_int8(parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts]), kernel)
             self.blocks, self.scales = to_blocks(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
-        else:
-            self.blocks, self.scales = to_blocks(weight.detach()), None  # [B, in, 32]；[B, 32] 或 None
+        else:  # [B, in, 32]
+            self.blocks, self.scales = kernel.to_blocks([p.detach() for p in parts], self.dtype), None
         self.kernel, self.bias = kernel, bias
 
     def dense(self) -> torch.Tensor:
@@ -187,7 +187,11 @@ class BlockedLinear(nn.Module):
         if M > KERNEL_ROWS:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
             y = F.linear(x2, self.dense(), self.bias)
         else:
-            y = self.kernel(x2, self.blocks, self.scales)[:, : self.out_features]  # [M, out]：去掉补的零列
+            if torch.compiler.is_compiling():  # 整步编译的图里：注册的算子（图外直接调用，少一层分派）
+                y = torch.ops.qwen_fast.matvec(x2, self.blocks, self.scales)
+            else:
+                y = self.kernel.matvec(x2, self.blocks, self.scales)
+            y = y[:, : self.out_features]  # [M, out]：去掉补的零列
             y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)
 
@@ -213,12 +217,13 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-def fast_linear(linears, kernel=None, quantize: str | None = None) -> nn.Module:
+def fast_linear(linears, kernel=None, quantize: str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """几个读同一输入的 nn.Linear（一个也行）的权重上下拼成一个，换成分块布局（给了 kernel；quantize="int8" 时存成
-    int8）或打包的布局。"""
+    int8）或打包的布局。dtype：分块布局的权重转成它（权重可以还是检查点文件里的 dtype）。"""
     def cat(ts):
         return ts[0].detach() if len(ts) == 1 else torch.cat([t.detach() for t in ts])  # 一个时不复制（输出头有 0.5 GB）
 
-    weight = cat([m.weight for m in linears])
     bias = None if linears[0].bias is None else cat([m.bias.float() for m in linears])
-    return PackedLinear(weight, bias) if kernel is None else BlockedLinear(weight, kernel, bias, quantize)
+    if kernel is None:
+        return PackedLinear(cat([m.weight for m in linears]), bias)
+    return BlockedLinear([m.weight for m in linears], kernel, bias, quantize, dtype)

@@ -7,14 +7,11 @@
 // 投机解码验证的每一行与单独解码那个 token 逐位相同（第 14 章）。所以编译时不许编译器把乘、加合成 FMA
 // （-ffp-contract=off），要 FMA 就在代码里明写（madd），每一行都一样。
 //
-// 由 kernel.py 用这台机器的 C++ 编译器编译一次（-O3 -march=native），按机器与 torch 版本缓存在磁盘上。
+// 不包含 torch 的头文件（那要编译半分钟）：kernel.py 用这台机器的 C++ 编译器编译一次（一两秒），用 ctypes 调用，
+// 传进来的是张量的数据指针。线程用 OpenMP，与 PyTorch 共用同一个 libgomp，torch.set_num_threads 对它也管用。
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #if defined(__FMA__)
@@ -29,9 +26,9 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef int8_t v8b __attribute__((vector_size(8)));
 
-constexpr int BLOCK = 32;            // 每块的输出个数
-constexpr int LANES = BLOCK / 8;     // 每行 4 个累加向量
-constexpr int GROUP = 3;             // 一次最多乘几行：3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
+constexpr int BLOCK = 32;         // 每块的输出个数
+constexpr int LANES = BLOCK / 8;  // 每行 4 个累加向量
+constexpr int GROUP = 3;          // 一次最多乘几行：3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
 
 inline v8f madd(v8f acc, v8f x, v8f w) {  // acc + x·w
 #if defined(__FMA__)
@@ -41,13 +38,26 @@ inline v8f madd(v8f acc, v8f x, v8f w) {  // acc + x·w
 #endif
 }
 
+inline float bf16_to_float(uint16_t h) {  // bfloat16 就是 float32 的高 16 位
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // 就近舍入到偶数（与 PyTorch 的 .bfloat16() 相同；不处理 NaN）
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
 // 读 8 个权重，转成 float32
 inline v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v8f load8(const c10::BFloat16* p) {  // bfloat16 就是 float32 的高 16 位
+inline v8f load8(const uint16_t* p) {  // bfloat16
   v8h h;
   std::memcpy(&h, p, sizeof h);
   v8u u = __builtin_convertvector(h, v8u) << 16;
@@ -78,53 +88,89 @@ void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
   std::memcpy(out, acc, sizeof acc);
 }
 
+// x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 的比例）。
+// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那些块。行多于 GROUP 时每块分几次乘，
+// 后几次读的是刚读过、还在缓存里的那块
 template <typename W>
-void run(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
-  // 按块分给各个线程（每块 32 个输出互不相干）；每个线程顺序读自己那些块。行多于 GROUP 时每块分几次乘，
-  // 后几次读的是刚读过、还在缓存里的那块
-  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
+void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
+#pragma omp parallel for schedule(static) if (B * n_in >= 32768)  // 很小的矩阵不值得叫醒别的线程
+  for (int64_t b = 0; b < B; ++b) {
     float acc[GROUP * BLOCK];
-    for (int64_t b = b0; b < b1; ++b) {
-      const W* wb = w + b * n_in * BLOCK;
-      for (int64_t m = 0; m < M; m += GROUP) {
-        int64_t g = M - m < GROUP ? M - m : GROUP;
-        if (g == 3) block_rows<W, 3>(x + m * n_in, n_in, wb, acc);
-        else if (g == 2) block_rows<W, 2>(x + m * n_in, n_in, wb, acc);
-        else block_rows<W, 1>(x + m * n_in, n_in, wb, acc);
-        for (int64_t r = 0; r < g; ++r) {
-          float* yr = y + (m + r) * B * BLOCK + b * BLOCK;
-          for (int j = 0; j < BLOCK; ++j) yr[j] = scales ? acc[r * BLOCK + j] * scales[b * BLOCK + j] : acc[r * BLOCK + j];
-        }
+    const W* wb = w + b * n_in * BLOCK;
+    for (int64_t m = 0; m < M; m += GROUP) {
+      int64_t g = std::min<int64_t>(M - m, GROUP);
+      if (g == 3) block_rows<W, 3>(x + m * n_in, n_in, wb, acc);
+      else if (g == 2) block_rows<W, 2>(x + m * n_in, n_in, wb, acc);
+      else block_rows<W, 1>(x + m * n_in, n_in, wb, acc);
+      for (int64_t r = 0; r < g; ++r) {
+        float* yr = y + (m + r) * B * BLOCK + b * BLOCK;
+        for (int j = 0; j < BLOCK; ++j) yr[j] = scales ? acc[r * BLOCK + j] * scales[b * BLOCK + j] : acc[r * BLOCK + j];
       }
     }
-  });
+  }
 }
 
-// x [M, in]（float32 或 bfloat16）乘 blocks [B, in, 32]（float32、bfloat16 或 int8），scales [B, 32] 或 None → [M, B·32]，dtype 同 x
-at::Tensor matvec(const at::Tensor& x, const at::Tensor& blocks, const std::optional<at::Tensor>& scales) {
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3 && blocks.size(2) == BLOCK && x.size(1) == blocks.size(1),
-              "matvec: 要 x [M, in] 与 blocks [B, in, 32]");
-  auto xf = x.to(at::kFloat).contiguous();
-  auto w = blocks.contiguous();
-  int64_t M = x.size(0), n_in = x.size(1), B = blocks.size(0);
-  auto y = at::empty({M, B * BLOCK}, x.options().dtype(at::kFloat));
-  at::Tensor s;
-  if (scales.has_value()) s = scales->to(at::kFloat).contiguous();
-  const float* sp = scales.has_value() ? s.data_ptr<float>() : nullptr;
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  switch (w.scalar_type()) {
-    case at::kFloat: run(xp, M, n_in, w.data_ptr<float>(), sp, yp, B); break;
-    case at::kBFloat16: run(xp, M, n_in, w.data_ptr<c10::BFloat16>(), sp, yp, B); break;
-    case at::kChar: run(xp, M, n_in, w.data_ptr<int8_t>(), sp, yp, B); break;
-    default: TORCH_CHECK(false, "matvec: 权重只能是 float32、bfloat16 或 int8");
+// 加载时换布局：矩阵 src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进分块布局 out [B, in, 32] 里对应的位置，
+// 顺便从 S 转成 D。一次读、一次写：不必先转 dtype、再拼接、再转置，各复制一遍
+template <typename S, typename D, typename F>
+void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F convert) {
+  int64_t b0 = row0 / BLOCK, b1 = (row0 + n + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t j0 = std::max<int64_t>(row0, b * BLOCK) - b * BLOCK, j1 = std::min<int64_t>(row0 + n, (b + 1) * BLOCK) - b * BLOCK;
+    D* ob = out + b * n_in * BLOCK;
+    for (int64_t i = 0; i < n_in; ++i)
+      for (int64_t j = j0; j < j1; ++j) ob[i * BLOCK + j] = convert(src[(b * BLOCK + j - row0) * n_in + i]);
   }
-  return y.to(x.scalar_type());
 }
+
+// 对称的逐行 int8（linear.py 的 quantize_int8 的公式）：s = max|w 的这一行| / 127（全零的行取 1e-12 / 127），
+// q = round(w / s)，一行读两遍（求最大值、量化），各行交给各个线程
+template <typename S, typename F>
+void quantize_int8(const S* w, int64_t n, int64_t n_in, int8_t* q, float* scale, F convert) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    const S* row = w + r * n_in;
+    float m = 0.0f;
+    for (int64_t i = 0; i < n_in; ++i) m = std::max(m, std::fabs(convert(row[i])));
+    float s = std::max(m, 1e-12f) / 127.0f;
+    scale[r] = s;
+    for (int64_t i = 0; i < n_in; ++i)
+      q[r * n_in + i] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(convert(row[i]) / s))));
+  }
+}
+
+float same(float v) { return v; }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(qwen_fast, m) {  // FRAGMENT：同一个名字空间里还有 layers.py 在 Python 里定义的算子
-  m.def("matvec(Tensor x, Tensor blocks, Tensor? scales) -> Tensor");
-  m.impl("matvec", c10::DeviceType::CPU, &matvec);
+// kernel.py 用 ctypes 调用的入口：名字里是权重（源）与结果的 dtype
+extern "C" {
+void matvec_f32(const float* x, int64_t M, int64_t n_in, const float* w, const float* s, float* y, int64_t B) {
+  matvec(x, M, n_in, w, s, y, B);
+}
+void matvec_bf16(const float* x, int64_t M, int64_t n_in, const uint16_t* w, const float* s, float* y, int64_t B) {
+  matvec(x, M, n_in, w, s, y, B);
+}
+void matvec_i8(const float* x, int64_t M, int64_t n_in, const int8_t* w, const float* s, float* y, int64_t B) {
+  matvec(x, M, n_in, w, s, y, B);
+}
+void to_blocks_f32_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, float* out) {
+  to_blocks(src, n, n_in, row0, out, same);
+}
+void to_blocks_bf16_f32(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, float* out) {
+  to_blocks(src, n, n_in, row0, out, bf16_to_float);
+}
+void to_blocks_bf16_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
+  to_blocks(src, n, n_in, row0, out, [](uint16_t v) { return v; });
+}
+void to_blocks_f32_bf16(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
+  to_blocks(src, n, n_in, row0, out, float_to_bf16);
+}
+void quantize_int8_f32(const float* w, int64_t n, int64_t n_in, int8_t* q, float* scale) {
+  quantize_int8(w, n, n_in, q, scale, same);
+}
+void quantize_int8_bf16(const uint16_t* w, int64_t n, int64_t n_in, int8_t* q, float* scale) {
+  quantize_int8(w, n, n_in, q, scale, bf16_to_float);
+}
 }

@@ -9,12 +9,13 @@ n 字节的 JSON 头（每个张量的 dtype、shape 与 data_offsets），再�
 
 import json
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..weights import open_safetensors, read_tensor, safetensors_files
+from ..weights import open_safetensors, safetensors_files
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -48,18 +49,26 @@ def meta_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tenso
     return torch.empty(shape, dtype=floating if len(shape) == 2 else torch.float32, device="meta")
 
 
-def materialize(root: nn.Module, path, part: str, prefix: str = "") -> None:
+def materialize(root: nn.Module, path, part: str, prefix: str = "", raw: bool = False) -> None:
     """把 root（检查点里 part 那一部分：part="model." 或 "mtp."）里名字以 prefix 开头、还在 meta 设备上的参数从检查点
-    读出来（dtype 与 meta 张量相同）。加载时快路径只读了形状（meta_tensor）；变换前一层一层地读，内存里同时只有
-    一层的原始权重。"""
-    for name, param in list(root.named_parameters(remove_duplicate=False)):
-        if not name.startswith(prefix) or not param.is_meta:
-            continue
-        is_head = part == "model." and name == "lm_head.weight"
-        file, full = tensor_file(path, *head_tensor(root.cfg)) if is_head else tensor_file(path, part, name)
-        module_name, _, leaf = name.rpartition(".")
-        module = root.get_submodule(module_name)
-        setattr(module, leaf, nn.Parameter(read_tensor(file, full, param.dtype), requires_grad=False))
+    读出来（dtype 与 meta 张量相同；raw 时矩阵保持文件里的 dtype，是文件映射的视图，换分块布局时 C++ 的 to_blocks
+    读一遍就丢掉）。加载时快路径只读了形状（meta_tensor）；变换前一层一层地读，内存里同时只有一层的原始权重。
+    每个文件只打开一次（一层有十几个小张量，每个都打开一次文件要好几毫秒）。"""
+    with ExitStack() as files:
+        opened = {}
+        for name, param in list(root.named_parameters(remove_duplicate=False)):
+            if not name.startswith(prefix) or not param.is_meta:
+                continue
+            is_head = part == "model." and name == "lm_head.weight"
+            file, full = tensor_file(path, *head_tensor(root.cfg)) if is_head else tensor_file(path, part, name)
+            if file not in opened:
+                opened[file] = files.enter_context(open_safetensors(file))
+            tensor = opened[file].get_tensor(full)
+            if not (raw and param.ndim == 2):  # 转成 meta 张量的 dtype（第 1 章 read_tensor 的规则），拷进自己的内存
+                own = tensor.to(param.dtype)
+                tensor = own.clone() if own.data_ptr() == tensor.data_ptr() else own
+            module_name, _, leaf = name.rpartition(".")
+            setattr(root.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
 
 
 class RowReader:
