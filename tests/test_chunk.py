@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qwen.chunk import chunk_gated_delta_rule
 from qwen.deltanet import l2norm, recurrent_gated_delta_rule, state_after
@@ -18,14 +20,26 @@ def inputs(T, B=2, H=3, Dk=16, Dv=8, seed=0):
     return q, k, v, decay, beta, S0
 
 
-@pytest.mark.parametrize("T", range(1, 201))
-def test_chunked_equals_recurrent(T):
-    q, k, v, g, beta, S0 = inputs(T, seed=T)
+def check_chunked_equals_recurrent(T, seed):
+    q, k, v, g, beta, S0 = inputs(T, seed=seed)
     o1, S1, _ = recurrent_gated_delta_rule(q, k, v, g, beta, S0)
     o2, S2, _ = chunk_gated_delta_rule(q, k, v, g, beta, S0)
     assert o1.shape == o2.shape == (2, 3, T, 8)
     assert (o1 - o2).abs().max().item() <= 1e-4
     assert (S1 - S2).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 63, 64, 65, 127, 128, 129, 300])
+def test_chunked_equals_recurrent(T):
+    """块边界两侧（块长 64）与一个长的序列。"""
+    check_chunked_equals_recurrent(T, seed=T)
+
+
+@settings(max_examples=25)
+@given(T=st.integers(1, 200), seed=st.integers(0, 2**16))
+def test_chunked_equals_recurrent_any_length(T, seed):
+    """hypothesis 挑的长度与随机数种子（测试的配置里每次挑同样的例子）。"""
+    check_chunked_equals_recurrent(T, seed)
 
 
 @pytest.mark.parametrize("rule", [recurrent_gated_delta_rule, chunk_gated_delta_rule])

@@ -119,8 +119,16 @@ void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F co
   for (int64_t b = b0; b < b1; ++b) {
     int64_t j0 = std::max<int64_t>(row0, b * BLOCK) - b * BLOCK, j1 = std::min<int64_t>(row0 + n, (b + 1) * BLOCK) - b * BLOCK;
     D* ob = out + b * n_in * BLOCK;
-    for (int64_t i = 0; i < n_in; ++i)
-      for (int64_t j = j0; j < j1; ++j) ob[i * BLOCK + j] = convert(src[(b * BLOCK + j - row0) * n_in + i]);
+    D tile[BLOCK][16];  // 32 行 × 16 个输入：先按行连续地读进来（转好 dtype），再按列写出去，都在 L1 里
+    for (int64_t i0 = 0; i0 < n_in; i0 += 16) {
+      int64_t w = std::min<int64_t>(16, n_in - i0);
+      for (int64_t j = j0; j < j1; ++j) {
+        const S* row = src + (b * BLOCK + j - row0) * n_in + i0;
+        for (int64_t ii = 0; ii < w; ++ii) tile[j][ii] = convert(row[ii]);
+      }
+      for (int64_t ii = 0; ii < w; ++ii)
+        for (int64_t j = j0; j < j1; ++j) ob[(i0 + ii) * BLOCK + j] = tile[j][ii];
+    }
   }
 }
 
