@@ -175,6 +175,10 @@ class BlockedLinear(nn.Module):
         else:  # [B, in, 32]
             self.blocks, self.scales = kernel.to_blocks([p.detach() for p in parts], self.dtype), None
         self.kernel, self.bias = kernel, bias
+        # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear；CPU 没有 bfloat16 指令时 PyTorch 的 bfloat16 矩阵乘法极慢
+        # （48 行、7168 × 1024：1.3 s 对 C++ 的 13 ms，见 docs/performance.md），那就总用 C++ 的
+        fast_gemm = self.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self.kernel_rows = KERNEL_ROWS if fast_gemm else float("inf")
 
     def dense(self) -> torch.Tensor:
         """拼回普通布局 [out, in]（int8 的乘回比例），长的预填充交给 F.linear。"""
@@ -184,7 +188,7 @@ class BlockedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         M = x2.shape[0]
-        if M > KERNEL_ROWS:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
+        if M > self.kernel_rows:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
             y = F.linear(x2, self.dense(), self.bias)
         else:
             if torch.compiler.is_compiling():  # 整步编译的图里：注册的算子（图外直接调用，少一层分派）
