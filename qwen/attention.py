@@ -12,6 +12,9 @@ Qwen3.5 每四层里有一层是“完整”的 softmax 注意力，在标准做
 解码时每步只算新 token 的 q、k、v，旧的 k、v 从缓存里取：这就是 KV 缓存（AttentionState）。
 投影之后的注意力一律在 float32 里算，缓存也存 float32：CPU 上 bfloat16 的 scaled_dot_product_attention
 慢得多，而缓存每个 token 每层只有 4 KB。
+
+出处：输出门见 Qiu 等，“Gated Attention for Large Language Models: Non-linearity, Sparsity, and Attention-Sink-Free”
+（2025）；分组查询见 Ainslie 等，“GQA”（2023）；q/k 归一化见 Henry 等，“Query-Key Normalization for Transformers”（2020）。
 """
 
 import torch

@@ -69,7 +69,10 @@ def copy_state(state):
             new.append(state.k.clone(), state.v.clone())
         return new
     new = State.__new__(State)
-    new.pos, new.valid, new.pad, new.layers = state.pos, state.valid, state.pad, []
+    new.pos = state.pos
+    new.valid = state.valid
+    new.pad = state.pad
+    new.layers = []
     for s in state.layers:
         if isinstance(s, AttentionState):
             new.layers.append(copy_state(s))

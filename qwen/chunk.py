@@ -21,6 +21,9 @@ U'、W、(QKᵀ)⊙Γ 只依赖本块的输入，可以对所有块同时算；�
 投机解码验证几个 token 时（第 14 章）也走这里：比一块短的输入就是一块，
 几次矩阵乘法一口气算完，不必逐 token 走十几个小运算。回滚要的“每个位置之后的记忆”不必全算出来：
 记下 (S₀, G, K, U)，第 7 章的 state_after 能按需重建任何一个位置之后的那一份。
+
+出处：delta 规则的分块形式（WY 表示、块内解三角方程）见 Yang 等，“Parallelizing Linear Transformers with the Delta Rule
+over Sequence Length”（NeurIPS 2024）；加上衰减门的版本见第 7 章的 Gated DeltaNet 论文。记号同第 7 章：S 存成 [Dk, Dv]。
 """
 
 import torch

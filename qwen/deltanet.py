@@ -9,12 +9,14 @@ Qwen3.5 四层里有三层不是 softmax 注意力，而是“线性注意力”
 
 Sᵀk 是记忆对 k 的“预测”，v − Sᵀk 是误差，β ∈ (0, 1) 是写入强度（学习率）：S 像一个在线做梯度下降的
 线性回归器。解码一个 token 的代价与上下文长度无关，状态大小也固定：这就是它比 KV 缓存省的地方。
+出处：Yang、Kautz、Hatamizadeh，“Gated Delta Networks: Improving Mamba2 with Delta Rule”（ICLR 2025）。论文把 S 写成
+[Dv, Dk]、读出 S q；这里存成 [Dk, Dv]（一行对应 k 的一维），读出就是 Sᵀq，公式里的 k ⊗ δ 是 [Dk, 1] 乘 [1, Dv]。
 
-进入递推之前还有几步：in_proj_qkv 一次投影出 q、k、v；一个核宽 4 的因果深度卷积（每个通道只看自己最近 4 个输入）
-加 SiLU；q、k 做 L2 归一化，q 再乘 1/sqrt(128)；β、g 见 gates。输出经过门控 RMSNorm（门是 in_proj_z 的投影）再 out_proj。
-
-本章用逐 token 的递推（解码时用）；下一章把同样的计算改写成按 64 个 token 一块的并行形式
-（预填充与投机解码验证时用）。两者的输出与最终状态相同。
+衰减 α = e^g = exp(−exp(A_log) · softplus(a + dt_bias))，同 Mamba2：softplus 让步长 Δ = softplus(…) > 0，
+A = exp(A_log) > 0 存成对数（训练时不会变号），所以 g = −AΔ ≤ 0、α ∈ (0, 1]；a 由 in_proj_a 按 token 给出，
+Δ 大就忘得多。进入递推之前：in_proj_qkv 投影出 q、k、v，经核宽 4 的因果深度卷积（每个通道只看自己最近 4 个输入）
+加 SiLU；q、k 做 L2 归一化，q 再乘 1/sqrt(128)。输出经门控 RMSNorm（门是 in_proj_z 的投影）再 out_proj。
+本章用逐 token 的递推（解码时用）；下一章是按 64 个 token 一块的并行形式，两者的输出与最终状态相同。
 """
 
 import torch
@@ -63,19 +65,20 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False):
 
 
 def state_after(parts, t: int, in_place: bool = False) -> torch.Tensor:
-    """第 t 个位置（从 0 数）之后的记忆，形状 [B, H, Dk, Dv]。逐 token 递推记下的是每个位置之后的 S，直接取；
-    分块形式（第 8 章）只算出块末的 S，记下的是 (S₀, G, K, U)，由它重建。把递推展开：每一步先整体衰减，
-    再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
+    """第 t 个位置（从 0 数）之后的记忆 [B, H, Dk, Dv]。递推记下的就是每个位置之后的 S；分块形式（第 8 章）记下
+    (S₀, G, K, U)，由它重建。递推展开：每一步先整体衰减，再写入 k_j ⊗ u_j（u_j 就是上面的 δ），所以
         S_t = e^{G_t} S₀ + Σ_{j≤t} e^{G_t − G_j} k_j ⊗ u_j,     G_t = g₀ + … + g_t
-    投机解码拒绝草稿时按它算出最后一个被接受的位置之后的那份，不必重算前向；in_place=True：调用者不再要 S₀，结果写进它。
-    """
+    投机解码拒绝草稿时按它取出最后一个被接受的位置之后的那份，不必重算；in_place=True：不再要 S₀，结果写进它。"""
     if isinstance(parts, list):  # 逐 token 递推记下的就是每个位置之后的 S
         return parts[t]
     S0, G, k, U = parts  # S₀ [B, H, Dk, Dv]；G [B, H, T]；k [B, H, T, Dk]；U [B, H, T, Dv]
     w = (G[:, :, t, None] - G[:, :, : t + 1]).exp()  # [B, H, t+1]：e^{G_t − G_j}
     kw = (k[:, :, : t + 1] * w[..., None]).transpose(-1, -2)  # [B, H, Dk, t+1]：e^{G_t − G_j} k_j
-    S = S0.mul_(G[:, :, t, None, None].exp()) if in_place else G[:, :, t, None, None].exp() * S0  # e^{G_t} S₀
-    return S.view(-1, *S.shape[2:]).baddbmm_(kw.flatten(0, 1), U[:, :, : t + 1].flatten(0, 1)).view_as(S)  # + Σ_j …
+    decay = G[:, :, t, None, None].exp()  # [B, H, 1, 1]：e^{G_t}
+    S = S0.mul_(decay) if in_place else decay * S0  # e^{G_t} S₀
+    flat = S.view(-1, *S.shape[2:])  # [B·H, Dk, Dv]，与 S 共用内存
+    flat.baddbmm_(kw.flatten(0, 1), U[:, :, : t + 1].flatten(0, 1))  # 加上 Σ_j e^{G_t − G_j} k_j ⊗ u_j
+    return S
 
 
 class GatedDeltaNet(nn.Module):
@@ -110,11 +113,8 @@ class GatedDeltaNet(nn.Module):
 
     def causal_conv(self, x: torch.Tensor, state: DeltaNetState | None):
         """因果深度卷积 + SiLU：x [B, T, C] → float32 [B, T, C]。返回 (输出, 拼上历史后的完整输入 [B, 3 + T, C])。
-
-        每个通道 c：y_t = Σ_j w[c, j] · x_{t−3+j}（j = 0…3）。拼上历史之后，第 j 项对所有位置就是 full 里错开 j 行的
-        一段 [B, T, C]（连续的视图），乘上第 j 个权重（每个通道一个）加起来：四次逐元素乘加，不必在 [B, T, C] 与
-        F.conv1d 要的 [B, C, T] 之间来回转置。
-        """
+        每个通道 c：y_t = Σ_j w[c, j] · x_{t−3+j}（j = 0…3）。第 j 项就是 full 里错开 j 行的一段（连续的视图）乘第 j 个
+        权重：四次逐元素乘加，不必转置成 F.conv1d 要的 [B, C, T]。"""
         B, T, C = x.shape
         past = state.conv if state is not None and state.conv is not None else x.new_zeros(B, self.kernel - 1, C)
         full = torch.cat([past.float(), x.float()], dim=1)  # [B, 3 + T, C]：前面接上最近 3 个输入

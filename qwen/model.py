@@ -124,7 +124,10 @@ def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compi
     if pack or compile:
         from . import fast  # 附录：CPU 上的快路径（只在这里用到，章节不依赖它）
     # 快路径先只读形状（meta 张量），变换时一层一层读出真的权重：内存里不必同时有整个模型的原始权重
-    sd = load_weights(path, part, dtype or (fast.preferred_dtype() if fast else torch.float32), fast.meta_tensor if fast else None)
+    if dtype is None:
+        dtype = fast.preferred_dtype() if fast else torch.float32
+    read = fast.meta_tensor if fast else None
+    sd = load_weights(path, part, dtype, read)
     if not sd:
         raise ValueError(f"检查点 {path} 里没有 {part}* 张量：它没有{what}")
     tied = part == "model." and module.cfg.tie_word_embeddings  # 共用嵌入：检查点里没有 lm_head.weight
