@@ -105,7 +105,7 @@ class FastMTP(MTP):
 
     def draft_scores(self, model, x):
         """只给起草词表打分。换了布局的输出头里取不出任意几行，所以加载时从检查点文件把这几行读出来（draft_head）：
-        编译的路径上换成 int8 的分块布局，用同一个编译的 matvec 乘；打包的路径上是普通布局，一行输入走 gemv。"""
+        分块布局上换成 int8 的分块布局，用同一个 C++ 的 matvec 乘；打包的路径上是普通布局，一行输入走 gemv。"""
         if self.head_ids is not self.draft_ids:
             raise ValueError("起草词表 draft_ids 在加载之后换过，加载时读出的输出头那几行对不上了：换起草词表请用 "
                              "MTP.from_pretrained(..., draft_vocab=...) 重新加载")
