@@ -355,3 +355,16 @@ def test_kernel_cache_is_per_machine_and_rebuilt_when_broken(tmp_path, monkeypat
     w, x = torch.randn(40, 16), torch.randn(2, 16)
     assert torch.allclose(fixed.matvec(x, fixed.to_blocks([w], torch.float32))[:, :40], x @ w.T, atol=1e-5)
     assert here.read_bytes()[:4] == b"\x7fELF" or here.stat().st_size > 1000
+
+
+def test_float32_model_keeps_bfloat16_blocks_exactly():
+    """float32 的模型读 bfloat16 的检查点：分块布局仍存 bfloat16（读的字节少一半），结果与存成 float32 逐位相同
+    （bfloat16 转 float32 是精确的），1～5 行（C++ 的 matvec）与长的预填充（拼回普通布局）都是。"""
+    kernel = load_matvec()
+    w = torch.randn(70, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    half = BlockedLinear([w], kernel, dtype=torch.float32)
+    full = BlockedLinear([w.float()], kernel, dtype=torch.float32)
+    assert half.blocks.dtype == torch.bfloat16 and full.blocks.dtype == torch.float32 and half.dtype == torch.float32
+    for rows in (1, 3, 5, 40):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        assert half(x).dtype == torch.float32 and torch.equal(half(x), full(x)), rows

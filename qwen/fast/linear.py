@@ -172,8 +172,11 @@ class BlockedLinear(nn.Module):
         if quantize == "int8":
             q, scale = quantize_int8(parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts]), kernel)
             self.blocks, self.scales = to_blocks(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
-        else:  # [B, in, 32]
-            self.blocks, self.scales = kernel.to_blocks([p.detach() for p in parts], self.dtype), None
+        else:  # [B, in, 32]。float32 的模型、bfloat16 的检查点：块仍存 bfloat16（转成 float32 是精确的，内核读时才转），
+            # 结果与存 float32 逐位相同，读的字节少一半
+            exact = self.dtype == torch.float32 and all(p.dtype == torch.bfloat16 for p in parts)
+            self.blocks = kernel.to_blocks([p.detach() for p in parts], torch.bfloat16 if exact else self.dtype)
+            self.scales = None
         self.kernel, self.bias = kernel, bias
         # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear；CPU 没有 bfloat16 指令时 PyTorch 的 bfloat16 矩阵乘法极慢
         # （48 行、7168 × 1024：1.3 s 对 C++ 的 13 ms，见 docs/performance.md），那就总用 C++ 的
@@ -183,7 +186,7 @@ class BlockedLinear(nn.Module):
     def dense(self) -> torch.Tensor:
         """拼回普通布局 [out, in]（int8 的乘回比例），长的预填充交给 F.linear。"""
         w = from_blocks(self.blocks, self.out_features)
-        return w if self.scales is None else (w * self.scales.flatten()[: self.out_features, None]).to(self.dtype)
+        return w.to(self.dtype) if self.scales is None else (w * self.scales.flatten()[: self.out_features, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
