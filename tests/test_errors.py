@@ -176,7 +176,8 @@ def test_stop_must_be_token_ids(small):
                  lambda: generate_batch(model, [[1, 2]], 5, stop="x"), lambda: speculate(model, None, ids, 5, stop="x")):
         with pytest.raises(ValueError, match="stop 要一组 token id"):
             call()
-    assert len(generate(model, ids, 5, stop=[torch.tensor(7)])) <= 5  # 0 维整数张量也是 id
+    first = generate(model, ids, 5)[0]
+    assert generate(model, ids, 5, stop=[torch.tensor(first)]) == [first]  # 0 维整数张量也是 id，命中就停
 
 
 # ---------- 第 1、10 章：坏的文件、坏的配置、坏的 id ----------

@@ -354,7 +354,6 @@ def test_kernel_cache_is_per_machine_and_rebuilt_when_broken(tmp_path, monkeypat
     fixed = kernel.Kernel(kernel.load_or_build(here, cxx))  # 重新编译（一两秒），能用
     w, x = torch.randn(40, 16), torch.randn(2, 16)
     assert torch.allclose(fixed.matvec(x, fixed.to_blocks([w], torch.float32))[:, :40], x @ w.T, atol=1e-5)
-    assert here.read_bytes()[:4] == b"\x7fELF" or here.stat().st_size > 1000
 
 
 def test_float32_model_keeps_bfloat16_blocks_exactly():

@@ -102,7 +102,7 @@ class Kernel:
         out[-1, :, rows % BLOCK or BLOCK :] = 0  # 最后一块补的零行
         row0 = 0
         for p in parts:
-            src = p.contiguous() if p.dtype in (torch.float32, torch.bfloat16) else p.float().contiguous()
+            src = readable(p)
             getattr(self.lib, f"to_blocks_{NAMES[src.dtype]}_{NAMES[dtype]}")(src.data_ptr(), p.shape[0], n_in, row0,
                                                                                out.data_ptr())
             row0 += p.shape[0]
@@ -110,11 +110,16 @@ class Kernel:
 
     def quantize_int8(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """对称的逐行 int8：(q [n, in] int8，s [n] float32)，公式见 linear.py 的 quantize_int8。"""
-        src = w.contiguous() if w.dtype in (torch.float32, torch.bfloat16) else w.float().contiguous()
+        src = readable(w)
         q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0])
         getattr(self.lib, f"quantize_int8_{NAMES[src.dtype]}")(src.data_ptr(), w.shape[0], w.shape[1], q.data_ptr(),
                                                                 scale.data_ptr())
         return q, scale
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """内核读得了的样子：连续存放，float32 或 bfloat16（别的浮点 dtype，比如 float16，先转成 float32）。"""
+    return t.contiguous() if t.dtype in (torch.float32, torch.bfloat16) else t.float().contiguous()
 
 
 OPS = []  # register_ops 注册的算子库：对象留着，注册才留着（一个进程只注册一次）
