@@ -1,13 +1,11 @@
 """第 13 章 · 对话：分词器、Qwen3.5 的对话格式、流式输出中文。
 
-模型只认 token id。分词器（检查点里的 tokenizer.json，用 `tokenizers` 库读）把文字切成 id，再把 id 拼回文字。
-Qwen 用字节级 BPE：一个汉字（UTF-8 三个字节）或 emoji（四个字节）可能被切到两三个 token 里，所以流式输出时
-不能每来一个 token 就解码打印（半个汉字会变成替换符 “�”）：攒着，等解码结果不再以 “�” 结尾再输出新增的部分。
+模型只认 token id：分词器（检查点里的 tokenizer.json，用 `tokenizers` 库读）把文字切成 id，再把 id 拼回文字。Qwen 用
+字节级 BPE，一个汉字（UTF-8 三个字节）可能切进两三个 token：流式输出时半个汉字会解码成 “�”，所以攒着，等不再以它结尾再输出。
 
 对话格式是 ChatML：每轮 `<|im_start|>{角色}\\n{内容}<|im_end|>\\n`，最后以 `<|im_start|>assistant\\n` 请模型接话。
-Qwen3.5 有“思考”模式：模型先在 <think>…</think> 里推理；0.8B 默认不思考，模板用一个空的 `<think>\\n\\n</think>\\n\\n`
-表达。build_prompt 照着发布的对话模板（Jinja）手写：工具的说明放进系统轮，助手的工具调用写成 <tool_call> 块，
-连续的工具结果合进一个用户轮；最后一个用户问题之后的助手轮带上思考（reasoning_content），之前的不带。
+“思考”时模型先在 <think>…</think> 里推理，不思考时模板放一个空的。build_prompt 照着发布的对话模板（Jinja）手写：工具说明
+放进系统轮，工具调用写成 <tool_call> 块，连续的工具结果合进一个用户轮；最后一个问题之后的助手轮带上思考，之前的不带。
 """
 
 import json
@@ -31,7 +29,7 @@ def text_of(content, i: int) -> str:
     return (content or "").strip()
 
 
-def tool_call_text(call, first: bool, content: str, i: int) -> str:
+def tool_call_text(call, i: int) -> str:
     """助手的一个工具调用 {"name", "arguments": {参数: 值}}（或包在 "function" 里）→ <tool_call> 块。"""
     call = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
@@ -39,7 +37,7 @@ def tool_call_text(call, first: bool, content: str, i: int) -> str:
     args = call.get("arguments") or {}
     if not isinstance(args, dict):
         raise ValueError(f"第 {i} 条消息的工具调用 {call['name']} 的 arguments 应为 dict（参数名: 值）")
-    out = (("\n\n" if content else "") if first else "\n") + f"<tool_call>\n<function={call['name']}>\n"
+    out = f"<tool_call>\n<function={call['name']}>\n"
     for name, value in args.items():
         value = json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else str(value)
         out += f"<parameter={name}>\n{value}\n</parameter>\n"
@@ -77,9 +75,9 @@ def build_prompt(messages, enable_thinking: bool = False, tools=None, add_genera
                 before, _, after = content.rpartition("</think>") if "</think>" in content else ("", "", content)
                 reasoning, content = before.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n"), after.lstrip("\n")
             think = f"<think>\n{reasoning.strip()}\n</think>\n\n" if i > last_query else ""
-            calls = m.get("tool_calls") or []
-            parts.append(f"<|im_start|>assistant\n{think}{content}"
-                         + "".join(tool_call_text(c, j == 0, content.strip(), i) for j, c in enumerate(calls)) + "<|im_end|>\n")
+            calls = "\n".join(tool_call_text(c, i) for c in m.get("tool_calls") or [])
+            gap = "\n\n" if calls and content.strip() else ""  # 正文与工具调用之间空一行
+            parts.append(f"<|im_start|>assistant\n{think}{content}{gap}{calls}<|im_end|>\n")
         elif m["role"] == "tool":  # 连续的工具结果合进同一个用户轮
             opening = "<|im_start|>user" if i and messages[i - 1]["role"] != "tool" else ""
             closing = "<|im_end|>\n" if i + 1 == len(messages) or messages[i + 1]["role"] != "tool" else ""
@@ -90,11 +88,13 @@ def build_prompt(messages, enable_thinking: bool = False, tools=None, add_genera
 
 
 class TextStream:
-    """把逐个到来的 token 变成可以安全打印的文字片段。只解码最近一段（prefix 之后的 token），每步代价与回答长度无关：
-    prefix..read 是已经输出过的 token；新文字 = decode(prefix:) 减去 decode(prefix:read)。"""
+    """把逐个到来的 token 变成能安全打印的文字片段：新文字 = decode(ids[prefix:]) 减去 decode(ids[prefix:read])。"""
 
     def __init__(self, tk):
-        self.tk, self.ids, self.prefix, self.read = tk, [], 0, 0
+        self.tk = tk
+        self.ids = []  # 到来的全部 token
+        self.prefix = 0  # 只解码从这里起的 token：每步的代价与回答多长无关
+        self.read = 0  # prefix..read 已经输出过
 
     def put(self, token: int) -> str:
         self.ids.append(token)
@@ -115,10 +115,12 @@ class TextStream:
 class Chat:
     def __init__(self, model, path=None, mtp=True):
         """mtp：回答时用不用第 14 章的投机解码（True：检查点有草稿头就用；False：不用；或直接给一个 MTP）。"""
-        path = Path(path if path is not None else getattr(model, "path", "."))
+        self.model = model
+        self.mtp = mtp
+        self.path = path = Path(path if path is not None else getattr(model, "path", "."))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path} 里没有 tokenizer.json：对话需要检查点自带的分词器文件")
-        self.model, self.path, self.mtp, self.conversation = model, path, mtp, None
+        self.conversation = None  # 附录的 Conversation：第一次 reply 时建
         self.tk = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.stop = [i for i in (self.tk.token_to_id("<|im_end|>"), self.tk.token_to_id("<|endoftext|>")) if i is not None]
         # 有对话模板的检查点按 ChatML 组织提示词；没有的（比如只学过代码的 demo 模型）提示词原样喂给它续写
@@ -142,8 +144,7 @@ class Chat:
     def decode(self, ids) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=False)
 
-    def stream_text(self, tokens):
-        """把 token 的迭代器变成文字片段的迭代器；停止符不输出。"""
+    def stream_text(self, tokens):  # token 的迭代器 → 文字片段的迭代器；停止符不输出
         out = TextStream(self.tk)
         for t in tokens:
             if t in self.stop:
@@ -155,6 +156,5 @@ class Chat:
         """流式产出助手的回答（文字片段）。不重读历史、草稿头、采样默认值：附录 conversation.py（各次 reply 共用一个）。"""
         if self.conversation is None:
             from .conversation import Conversation  # 附录
-
             self.conversation = Conversation(self, self.mtp)
         return self.conversation.reply(messages, enable_thinking, max_new_tokens, **sampling)

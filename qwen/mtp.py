@@ -1,10 +1,11 @@
 """第 14 章 · MTP 草稿头与投机解码。
 
-检查点里的 `mtp.*` 是一层“草稿头”：由主模型在位置 t 的隐藏状态 h_t（最后一次 norm 之后）和 token t+1 的嵌入预测 token t+2：
+检查点里的 `mtp.*` 是一层“草稿头”（多 token 预测：Gloeckle 等 2024；DeepSeek-V3 的 MTP 模块）：由主模型在位置 t 的
+隐藏状态 h_t（最后一次 norm 之后）和 token t+1 的嵌入预测 token t+2：
     x = fc([pre_fc_norm_embedding(e_{t+1}), pre_fc_norm_hidden(h_t)]) → 一个门控全注意力层 → norm → 共用的 lm_head
-投机解码：草稿头便宜地猜出 d₁…d_k（喂回自己的输出接着猜），主模型把 [last, d₁, …, d_k] 一次前向验证（CPU 上解码的时间
-几乎都花在读权重上，验证 k+1 个与算 1 个差不多贵），收下一致的前缀再加一个自己的 token：贪心时输出与普通解码逐 token 相同。
-采样时用拒绝采样（Leviathan 等 2023）：x ~ q 以 min(1, p(x)/q(x)) 接受，拒绝时从 normalize(max(0, p − q)) 重抽，分布不变。
+投机解码（Leviathan 等 2023；Chen 等 2023）：草稿头便宜地猜出 d₁…d_k，主模型把 [last, d₁, …, d_k] 一次前向验证（CPU 上
+解码的时间几乎都花在读权重上，验证 k+1 个与算 1 个差不多贵），收下一致的前缀再加一个自己的 token：贪心时输出不变。
+采样时用拒绝采样：x ~ q 以 min(1, p(x)/q(x)) 接受，拒绝时从 normalize(max(0, p − q)) 重抽，分布不变。
 
 回滚是难点：被拒绝的草稿已经改过每个 DeltaNet 层的记忆 S 和卷积窗口，它们无法“减掉”一个 token。
 - 简单的做法（第 11 章的 snapshot / rollback）：验证前存档，有拒绝时回退，再把收下的 token 重新喂一遍；
@@ -41,7 +42,9 @@ class MTP(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.draft_cost, self.draft_ids, self.draft_rows, self.draft_note = DRAFT_COST, None, None, "全词表"  # 见 draft_logits
+        self.draft_cost = DRAFT_COST  # 见 best_draft_count
+        self.draft_ids = None  # 起草词表：附录的快路径只给这些 token 打分，读的权重少得多；None：全词表
+        self.draft_note = "全词表"
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后）：第 i 行是位置 start + i 的 (h_t, e_{t+1})，预测 t + 2。"""
@@ -65,17 +68,8 @@ class MTP(nn.Module):
                 x = self(model.embed_tokens(torch.tensor([[d]], device=x.device)), x, start + tokens.shape[1] + i, state)
         return drafts, qs
 
-    def draft_logits(self, model, x):
-        """x [B, 1, h] → 全词表的 float32 logits。有起草词表 draft_ids 时只给它们打分（读的权重少得多），其余是 −∞。"""
-        if self.draft_ids is None:
-            return model.lm_head(x).float()
-        sub = self.draft_scores(model, x).float()  # [B, 1, n]
-        return sub.new_full((*sub.shape[:-1], model.cfg.vocab_size), -torch.inf).index_copy_(-1, self.draft_ids, sub)
-
-    def draft_scores(self, model, x):  # x [B, 1, h] 乘输出头里起草词表的那几行（第一次用时取出来）→ [B, 1, n]
-        if self.draft_rows is None:
-            self.draft_rows = model.lm_head.weight[self.draft_ids]  # [n, h]
-        return x @ self.draft_rows.T
+    def draft_logits(self, model, x):  # x [B, 1, h] → 全词表的 float32 logits [B, 1, V]
+        return model.lm_head(x).float()
 
     @classmethod
     def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
@@ -106,20 +100,43 @@ class SpecResult:
     def acceptance(self) -> float:
         return self.hits / self.drafted if self.drafted else 0.0
 
+    def record(self, k: int, n: int, emitted: list, forwards: int):
+        """记下一轮：起草 k 个，前 n 个通过验证，输出 emitted（停止符或预算可能截掉通过的草稿），主模型前向了几次。"""
+        for i in range(min(n + 1, k)):  # 第 i+1 个草稿真的被检验过：它前面的都通过了
+            self.tried_at[i] += 1
+        for i in range(n):
+            self.accepted_at[i] += 1
+        self.rounds += 1
+        self.forwards += forwards
+        self.drafted += k
+        self.hits += min(n, len(emitted))
+        self.tokens += emitted
+        self.trace.append((k, min(n, len(emitted)), emitted))
 
-def forward_hidden(model, ids, state):
-    """主模型前向 → (logits [B, T, V] float32, 最后一次 norm 之后的隐藏状态 [B, T, h])：验证要前者，草稿头要后者。"""
-    h = model.hidden(ids, state)
-    return model.lm_head(h).float(), h
+
+@dataclass
+class Drafter:
+    """草稿头这一边的状态：它的 KV 缓存，和它还没见过的 (h_t, e_{t+1}) 对，从位置 start 起。"""
+    cache: AttentionState
+    hidden: torch.Tensor  # [1, P, h]：主模型在这些位置的隐藏状态
+    tokens: torch.Tensor  # [1, P]：每个位置的下一个 token
+    start: int
+
+    def add(self, hidden, tokens: list):
+        self.hidden = torch.cat([self.hidden, hidden], 1)
+        self.tokens = torch.cat([self.tokens, torch.tensor([tokens], device=self.tokens.device)], 1)
+
+    def draft(self, model, mtp, k: int, sampling, pos: int):
+        """草稿头吃掉所有待送的对，起草 k 个；之后从位置 pos（这一轮的开始）重新攒。"""
+        drafts, qs = mtp.draft(model, self.tokens, self.hidden, self.start, k, self.cache, *sampling)
+        self.hidden, self.tokens, self.start = self.hidden[:, :0], self.tokens[:, :0], pos
+        return drafts, qs
 
 
 def verify(drafts, qs, logits, temperature, top_k, top_p, gen, penalty):
     """主模型的 logits [k+1, V] 检验 k 个草稿，返回 (接受数 n, 本轮的 token：d₁…d_n 加一个主模型的 token)。
-    第 i 个位置罚重复时，它前面的 i 个草稿也算已经生成过（与普通解码走到这里时一样）。
-
-    “贪心时输出不变”要求第 i 行的 logits 与逐个解码到这里时逐位相同：一次算 k+1 行的矩阵乘法、注意力、分块的 DeltaNet
-    按另一种顺序求和，差一点舍入，两个 token 几乎持平时就翻转 argmax，之后的文本全变。bfloat16 把每个差放大到它的一个刻度
-    （相对 2⁻⁸），逐层累积。本章的普通模型只保证差在 float32 舍入之内；附录的快路径里每行的求和顺序与只算这一行时相同。"""
+    第 i 个位置罚重复时，它前面的 i 个草稿也算已经生成过。“贪心时输出不变”要求第 i 行与逐个解码到这里时逐位相同：一次算
+    k+1 行按另一种顺序求和，差一点舍入就可能翻转持平的 argmax。本章的普通模型只保证差在舍入之内；附录的快路径逐位相同。"""
     for i, d in enumerate(drafts):
         row = penalty(logits[i : i + 1], drafts[:i])[0]
         if temperature == 0:  # 贪心：草稿必须正是主模型的 argmax
@@ -139,6 +156,38 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
     a 用第一个草稿位置的接受次数估计，先验是“2 次里对 1 次”。返回 0 是这一轮不起草（a 低于 cost 时起草也不划算）。"""
     a = min((accepted + 1) / (tried + 2), 0.99)
     return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
+
+
+def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, sampling, stop, budget: int,
+               recompute: bool = False):
+    """一轮：起草 k 个 → 一次前向验证 → 接受一致的前缀 → 提交状态（或回滚）。last：上一轮输出、主模型还没读的 token；
+    sampling：(temperature, top_k, top_p, gen, penalty)；budget：还能输出几个。返回 (通过的草稿数, 本轮的 token, 前向次数)。"""
+    # 1. 起草（k = 0 时这一轮就是普通解码）
+    drafts, qs = drafter.draft(model, mtp, k, sampling, state.pos) if k > 0 else ([], [])
+    # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
+    start = state.pos
+    feed = torch.tensor([[last] + drafts], device=drafter.tokens.device)  # [1, k+1]
+    snap = snapshot(state) if recompute else None
+    if not recompute and k > 0:
+        keep_history(state)
+    h = model.hidden(feed, state)  # [1, k+1, h]：最后一次 norm 之后的隐藏状态，草稿头下次要用
+    logits = model.lm_head(h).float()  # [1, k+1, V]
+    forwards = 1
+    # 3. 接受最长的一致前缀，再加一个主模型的 token；停止符（含）之后的、超出预算的不要
+    n, new = verify(drafts, qs, logits[0], *sampling)
+    m = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))
+    m = min(m, budget)
+    emitted = new[:m]  # 喂进去的 [last, d₁, …] 里保留前 m 个
+    # 4. 提交：只留下前 m 个位置之后的状态
+    if recompute and m < k + 1:  # 有被丢弃的 token：恢复存档，再把保留的重新喂一遍
+        rollback(state, snap)
+        h = model.hidden(feed[:, :m], state)
+        forwards += 1
+    elif not recompute and k > 0:
+        commit(state, start, m)  # 取出第 m 个位置之后的 S 和卷积窗口，KV 缓存截到 start + m
+    # 这一轮留下的 m 对 (h_t, e_{t+1})：草稿头下次起草时一并吃掉
+    drafter.add(h[:, :m], emitted)
+    return n, emitted, forwards
 
 
 def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
@@ -165,62 +214,39 @@ def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, 
     if ids.shape[0] != 1:
         raise ValueError("投机解码一次处理一个提示词")
     r = result if result is not None else SpecResult()
-    r.accepted_at, r.tried_at = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS)
+    r.accepted_at = [0] * (draft_tokens or MAX_DRAFTS)
+    r.tried_at = [0] * (draft_tokens or MAX_DRAFTS)
     if max_new_tokens == 0:
         return
-    stop, gen, dev = stop_ids(stop), make_generator(seed, ids.device), ids.device
-    r.state, mtp_state, idle = state or State(model), mtp_state or AttentionState(), 0  # idle：连续几轮没有起草
-    seen = torch.cat([torch.as_tensor(history, dtype=torch.long, device=dev), ids[0]])
+    stop = stop_ids(stop)
+    gen = make_generator(seed, ids.device)
+    r.state = state or State(model)
+    seen = torch.cat([torch.as_tensor(history, dtype=torch.long, device=ids.device), ids[0]])
     penalty = Penalty([seen], model.cfg.vocab_size, repetition_penalty, presence_penalty)
-    pend_start = r.state.pos - 1 if hidden is not None else 0
+    sampling = (temperature, top_k, top_p, gen, penalty)
+    pending_start = r.state.pos - 1 if hidden is not None else 0
     h = model.hidden(ids, r.state)  # 预填充；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
     last, _ = choose(penalty(model.lm_head(h[:, -1]).float())[0], temperature, top_k, top_p, gen)
     r.tokens, r.forwards, r.prefill_seconds = [last], 1, time.perf_counter() - t0
     yield [last]
-    # 草稿头还没见过的 (h_t, e_{t+1}) 对，从位置 pend_start 起：先是提示词的每个位置（接着已有的对话时从它的最后一个起）
-    pend_hidden = h if hidden is None else torch.cat([hidden, h], 1)
-    pend_tokens = torch.cat([ids[:, 1:] if hidden is None else ids, torch.tensor([[last]], device=dev)], 1)
     penalty.add([last])
+    # 草稿头还没见过的对：提示词的每个位置（接着已有的对话时从它的最后一个起）配上下一个 token
+    pending_hidden = h if hidden is None else torch.cat([hidden, h], 1)
+    pending_tokens = torch.cat([ids[:, 1:] if hidden is None else ids, torch.tensor([[last]], device=ids.device)], 1)
+    drafter = Drafter(mtp_state or AttentionState(), pending_hidden, pending_tokens, pending_start)
+    idle = 0  # 连续几轮没有起草
     while last not in stop and len(r.tokens) < max_new_tokens:
         k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], mtp.draft_cost)
-        k = 1 if k == 0 and idle >= PROBE_EVERY else k  # 太久没起草：试一个，让接受率的估计跟上文本的变化
+        if k == 0 and idle >= PROBE_EVERY:  # 太久没起草：试一个，让接受率的估计跟上文本的变化
+            k = 1
         k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
         idle = idle + 1 if k == 0 else 0
-        drafts, qs = [], []
-        if k > 0:  # 1. 起草：草稿头吃掉所有待送的对，之后从这一轮的开始重新攒
-            drafts, qs = mtp.draft(model, pend_tokens, pend_hidden, pend_start, k, mtp_state, temperature, top_k, top_p,
-                                   gen, penalty)
-            pend_hidden, pend_tokens, pend_start = pend_hidden[:, :0], pend_tokens[:, :0], r.state.pos
-        # 2. 验证：[last, d₁, …, d_k] 一次前向（不起草时这一步就是普通解码，不会回滚，不必记历史）
-        start, feed = r.state.pos, torch.tensor([[last] + drafts], device=dev)
-        snap = snapshot(r.state) if recompute else None
-        if not recompute and k > 0:
-            keep_history(r.state)
-        logits, h = forward_hidden(model, feed, r.state)  # [1, k+1, V]、[1, k+1, h]
-        r.forwards, r.rounds = r.forwards + 1, r.rounds + 1
-        # 3. 接受最长的一致前缀，再加一个主模型的 token；遇到停止符或预算用完就截断
-        n, new = verify(drafts, qs, logits[0], temperature, top_k, top_p, gen, penalty)
-        m = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))  # 停止符（含）之后的不要
-        m = min(m, max_new_tokens - len(r.tokens))  # 预算用完也截断
-        emitted = new[:m]  # 本轮喂进去的 token 里保留前 m 个：last 与 d₁…d_{m−1}
-        # 4. 提交状态
-        if recompute and m < k + 1:  # 有被丢弃的 token：恢复快照，再把保留的重新喂一遍
-            rollback(r.state, snap)
-            h = model.hidden(feed[:, :m], r.state)
-            r.forwards += 1
-        elif not recompute and k > 0:
-            commit(r.state, start, m)
-
-        for i in range(k):
-            r.tried_at[i] += i <= n  # 第 i+1 个草稿真的被检验过：它前面的都被接受了
-            r.accepted_at[i] += i < n
-        r.hits, r.drafted, r.tokens, last = r.hits + min(n, m), r.drafted + k, r.tokens + emitted, emitted[-1]
-        r.trace.append((k, min(n, m), emitted))
+        n, emitted, forwards = spec_round(model, mtp, r.state, drafter, last, k, sampling, stop,
+                                          max_new_tokens - len(r.tokens), recompute)
+        r.record(k, n, emitted, forwards)
         penalty.add(emitted)
+        last = emitted[-1]
         yield emitted
-        # 这一轮留下的 m 对 (h_t, e_{t+1})：草稿头下次起草时一并送进去（不起草的轮里它们就一直攒着）
-        pend_hidden = torch.cat([pend_hidden, h[:, :m]], 1)
-        pend_tokens = torch.cat([pend_tokens, torch.tensor([emitted], device=dev)], 1)
 
 
 def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,

@@ -178,11 +178,12 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
 
 
 def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """读一个张量到自己的内存里。safetensors 读到的是文件映射的视图，读过的页都算在本进程的常驻内存里；
-    所以每个张量单独打开、转换或拷出来、关掉：内存里只有我们真正留下的那一份。"""
+    """读一个张量到自己的内存里（safetensors 给的是文件映射的视图，读过的页都算进常驻内存）：单独打开、转换或拷出、关掉。"""
     with open_safetensors(file) as f:
         t = f.get_tensor(name)
-        out = t if not t.is_floating_point() else t.to(dtype or t.dtype) if t.ndim == 2 else t.float()  # 矩阵用 dtype
+        out = t  # 整数原样
+        if t.is_floating_point():  # 矩阵用 dtype，其余（范数、A_log 等）用 float32
+            out = t.to(dtype or t.dtype) if t.ndim == 2 else t.float()
         return out.clone() if out.data_ptr() == t.data_ptr() else out
 
 

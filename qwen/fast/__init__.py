@@ -103,7 +103,14 @@ class FastMTP(MTP):
             out = self.step(emb_next.reshape(T, -1)[None], hidden.reshape(T, -1)[None], pos, state)
         return out
 
-    def draft_scores(self, model, x):
+    def draft_logits(self, model, x):
+        """x [B, 1, h] → 全词表的 float32 logits；有起草词表 draft_ids 时只给它们打分（读的权重少得多），其余是 −∞。"""
+        if self.draft_ids is None:
+            return model.lm_head(x).float()
+        sub = self.draft_scores(x).float()  # [B, 1, n]
+        return sub.new_full((*sub.shape[:-1], model.cfg.vocab_size), -torch.inf).index_copy_(-1, self.draft_ids, sub)
+
+    def draft_scores(self, x):
         """只给起草词表打分。换了布局的输出头里取不出任意几行，所以加载时从检查点文件把这几行读出来（draft_head）：
         分块布局上换成 int8 的分块布局，用同一个 C++ 的 matvec 乘；打包的路径上是普通布局，一行输入走 gemv。"""
         if self.head_ids is not self.draft_ids:
