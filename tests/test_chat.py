@@ -1,7 +1,6 @@
 """对话：发布模板的渲染规则、多轮对话不重读历史、MTP 与命令行、采样的默认值。"""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -172,17 +171,17 @@ def test_reply_takes_the_checkpoint_defaults(lively, model, tmp_path):
 # ---------- 命令行 ----------
 
 
-def run_cli(path, *args):
-    out = subprocess.run([sys.executable, "-m", "qwen", "你好", "--model", str(path), "--max-new-tokens", "12",
-                          "--dtype", "float32", "--no-compile", *args], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out
+def test_cli_with_and_without_mtp(lively, capsys):
+    """命令行默认用草稿头（统计行里有接受率）；--no-mtp 的贪心输出一模一样；采样带种子时可以复现。
+    在本进程里调 main（起一个新进程的那几项由 test_demo 的 test_cli_on_demo 测）。"""
+    from qwen.__main__ import main
 
+    def run(*args):
+        main(["你好", "--model", str(lively[0]), "--max-new-tokens", "12", "--dtype", "float32", *args])
+        return capsys.readouterr()
 
-def test_cli_with_and_without_mtp(lively):
-    """命令行默认用草稿头（统计行里有接受率）；--no-mtp 的贪心输出一模一样；采样带种子时可以复现。"""
-    with_mtp, without = run_cli(lively[0], "--temperature", "0"), run_cli(lively[0], "--temperature", "0", "--no-mtp")
-    assert with_mtp.stdout == without.stdout and with_mtp.stdout.strip()
-    assert "接受率" in with_mtp.stderr and "接受率" not in without.stderr and "token/s" in without.stderr
-    a, b = (run_cli(lively[0], "--temperature", "0.9", "--top-p", "0.9", "--seed", "7") for _ in range(2))
-    assert a.stdout == b.stdout
+    with_mtp, without = run("--temperature", "0"), run("--temperature", "0", "--no-mtp")
+    assert with_mtp.out == without.out and with_mtp.out.strip()
+    assert "接受率" in with_mtp.err and "接受率" not in without.err and "token/s" in without.err
+    a, b = (run("--temperature", "0.9", "--top-p", "0.9", "--seed", "7") for _ in range(2))
+    assert a.out == b.out

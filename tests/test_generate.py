@@ -1,7 +1,6 @@
 """采样、对话格式、流式解码、批处理、命令行。"""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -306,19 +305,24 @@ def test_batch_errors(model):
 # ---------- 命令行 ----------
 
 
-def test_cli_interactive(tiny):
-    """--compile 路径上的多轮对话：先打印一行“编译解码用的图”的提示，再答两轮。float32：与 test_fast 编译过的
-    图相同，从磁盘缓存读（bfloat16 的图要在缓存是空的机器上另编译一遍，要两分钟）；草稿头编译的图由 test_fast 测。"""
-    out = subprocess.run(
-        [sys.executable, "-m", "qwen", "--model", str(tiny[0]), "--max-new-tokens", "4", "--dtype", "float32", "--compile",
-         "--no-mtp"],
-        input="你好\n再见\n\n", capture_output=True, text=True, timeout=240,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "编译解码用的图" in out.stderr
-    assert out.stderr.count("token/s") == 2 and out.stdout.count("Qwen：") == 2
+def test_cli_interactive(tiny, monkeypatch, capsys):
+    """--compile 路径上的多轮对话（本进程里调 main，标准输入换成两行问题和一个空行）：先打印一行“编译解码用的图”的
+    提示，再答两轮。float32：与 test_fast 编译过的图相同；草稿头编译的图由 test_fast 测。"""
+    import io
+
+    from qwen.__main__ import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("你好\n再见\n\n"))
+    main(["--model", str(tiny[0]), "--max-new-tokens", "4", "--dtype", "float32", "--compile", "--no-mtp"])
+    out = capsys.readouterr()
+    assert "编译解码用的图" in out.err
+    assert out.err.count("token/s") == 2 and out.out.count("Qwen：") == 2
 
 
 def test_cli_bad_model_path(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "qwen", "hi", "--model", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "config.json" in out.stderr and "Traceback" not in out.stderr
+    """坏的检查点路径：一行说明缺了 config.json，退出，不是 traceback。"""
+    from qwen.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["hi", "--model", str(tmp_path)])
+    assert str(exit.value.code).startswith("错误：") and "config.json" in str(exit.value.code)
