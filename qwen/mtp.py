@@ -133,6 +133,12 @@ class Drafter:
         return drafts, qs
 
 
+def forward_hidden(model, ids, state):
+    """主模型前向 → (logits [B, T, V] float32, 最后一次 norm 之后的隐藏状态 [B, T, h])：验证要前者，草稿头要后者。"""
+    h = model.hidden(ids, state)
+    return model.lm_head(h).float(), h
+
+
 def verify(drafts, qs, logits, temperature, top_k, top_p, gen, penalty):
     """主模型的 logits [k+1, V] 检验 k 个草稿，返回 (接受数 n, 本轮的 token：d₁…d_n 加一个主模型的 token)。
     第 i 个位置罚重复时，它前面的 i 个草稿也算已经生成过。“贪心时输出不变”要求第 i 行与逐个解码到这里时逐位相同：一次算
@@ -170,8 +176,7 @@ def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, sa
     snap = snapshot(state) if recompute else None
     if not recompute and k > 0:
         keep_history(state)
-    h = model.hidden(feed, state)  # [1, k+1, h]：最后一次 norm 之后的隐藏状态，草稿头下次要用
-    logits = model.lm_head(h).float()  # [1, k+1, V]
+    logits, h = forward_hidden(model, feed, state)  # [1, k+1, V]、[1, k+1, h]
     forwards = 1
     # 3. 接受最长的一致前缀，再加一个主模型的 token；停止符（含）之后的、超出预算的不要
     n, new = verify(drafts, qs, logits[0], *sampling)
