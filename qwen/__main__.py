@@ -1,6 +1,7 @@
 """命令行对话：python -m qwen "你好"；不给提示词时进入多轮对话。
 
-python -m qwen compile [--model …]：提前把用得着的都编译好（C++ 的 matvec；--compile 用的解码一步的图），缓存在磁盘上。"""
+python -m qwen compile [--model …]：提前把用得着的都编译好（C++ 的 matvec；--compile 用的解码一步的图），缓存在磁盘上。
+python -m qwen serve [--model …]：OpenAI 兼容的 HTTP 服务（附录 qwen/serve）。"""
 
 import argparse
 import sys
@@ -12,6 +13,7 @@ from .chat import Chat
 from .conversation import Conversation
 from .fast import is_compiled, warm_up
 from .model import Model
+from .weights import find_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -94,10 +96,55 @@ def prepare(argv) -> None:
         print(f"默认路径上多起草一个 token 的代价：一步的 {head.draft_cost:.0%}（{seconds:.1f} 秒）", file=sys.stderr)
 
 
+def serve_main(argv) -> None:
+    """python -m qwen serve：OpenAI 兼容的服务（附录 qwen/serve）。"""
+    p = argparse.ArgumentParser(prog="python -m qwen serve", description="OpenAI 兼容的 HTTP 服务：连续批处理、MTP、留下的对话")
+    p.add_argument("--model", default=None, help="检查点文件夹或 demo（默认同 python -m qwen）")
+    p.add_argument("--host", default="127.0.0.1", help="监听的地址（默认只有本机能连）")
+    p.add_argument("--port", type=number(int, 1, 65535), default=8000)
+    p.add_argument("--api-key", default=None, help="要求请求带 Authorization: Bearer <KEY>")
+    p.add_argument("--served-model-name", default=None, help="/v1/models 里的名字（默认取检查点文件夹的名字）")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--slots", type=number(int, 1), default=8, help="同时生成的请求数，多出来的排队")
+    p.add_argument("--cache-mb", type=number(int, 0), default=512, help="留下的对话状态至多占多少 MB")
+    p.add_argument("--max-tokens", type=number(int, 1), default=4096, help="一个请求的 max_tokens 上限")
+    p.add_argument("--no-mtp", action="store_true", help="不用草稿头")
+    args = p.parse_args(argv)
+    try:
+        from .serve.api import serve
+    except ImportError as e:
+        sys.exit(f"错误：服务要 FastAPI 与 uvicorn（{e.name} 没装）：pip install -e \".[serve]\"")
+    try:
+        path = find_model(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"错误：{e}")
+
+    def load():
+        from .serve.engine import Engine
+
+        model = Model.from_pretrained(path, dtype=DTYPES.get(args.dtype))
+        mtp = None if args.no_mtp else Conversation(Chat(model)).mtp
+        if mtp is not None:
+            warm_up(model, mtp, calibrate="recorded")
+        print(f"（{path} 加载好了：http://{args.host}:{args.port}/v1）", file=sys.stderr)
+        return Engine(model, mtp, slots=args.slots, cache_mb=args.cache_mb)
+
+    serve(load, args.served_model_name or model_name(path), args.host, args.port, args.api_key,
+          max_tokens=args.max_tokens)
+
+
+def model_name(path) -> str:
+    """HF 缓存里的检查点（.../models--Qwen--Qwen3.5-0.8B/snapshots/<提交>）叫 Qwen/Qwen3.5-0.8B，别的取文件夹名。"""
+    repo = path.parent.parent.name
+    return repo[len("models--"):].replace("--", "/") if repo.startswith("models--") else path.name
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:
         return prepare(argv[1:])
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

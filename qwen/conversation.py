@@ -11,6 +11,7 @@
 """
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +74,7 @@ class Conversation:
         self.saved = None  # (token 列表, State, 草稿头的 AttentionState, 最后一个位置的隐藏状态 [1, 1, h])
         self.fed = 0  # 上一轮主模型实际读了提示词的几个 token
         self.stats = None  # 上一轮：dict(tokens, seconds, drafted, hits)
+        self.busy = threading.Lock()  # 一个回答在生成时拿着：同一个对话不能同时生成两个回答
 
     def reset(self) -> None:
         """丢掉留下的状态：下一轮从头读。"""
@@ -80,7 +82,17 @@ class Conversation:
 
     def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, seed=None, **sampling):
         """对一组消息流式产出助手的回答（文字片段）。sampling：temperature、top_k、top_p、repetition_penalty、
-        presence_penalty，没给（或 None）的取检查点的默认值。"""
+        presence_penalty，没给（或 None）的取检查点的默认值。上一个回答的生成器还没读完（也没关掉）时报错：
+        留下的状态与统计属于一个对话，几个并发的对话请各用自己的 Conversation。"""
+        if not self.busy.acquire(blocking=False):
+            raise RuntimeError("这个 Conversation 的上一个回答还没生成完（生成器没读完也没关掉）：并发的对话请各用自己的 "
+                               "Conversation")
+        try:
+            yield from self.answer(messages, enable_thinking, max_new_tokens, tools, seed, **sampling)
+        finally:
+            self.busy.release()
+
+    def answer(self, messages, enable_thinking, max_new_tokens, tools, seed, **sampling):
         unknown = set(sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"未知的采样参数 {', '.join(sorted(unknown))}：可用的有 {', '.join(SAMPLING_KEYS)}")
@@ -90,30 +102,30 @@ class Conversation:
         tokens = chat.encode(chat.prompt(messages, enable_thinking, tools))[0].tolist()
         cut = self.cut_point(messages, tools, tokens)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode():  # 只包住这一段：生成器在 yield 之间不替调用方开着 inference_mode
             state, mtp_state, hidden, start = self.resume(tokens, cut)
             if cut is not None and cut > start:  # 读到最后一个用户问题的末尾，留下一份
                 hidden = self.feed(tokens, start, cut, state, mtp_state, hidden)
                 self.saved = (tokens[:cut], copy_state(state), copy_state(mtp_state) if self.mtp else None, hidden)
-            begin = start if cut is None else max(cut, start)
-            self.fed = len(tokens) - start
-            if self.mtp is not None:
-                r = SpecResult()
-                rounds = stream_mtp(model, self.mtp, [tokens[begin:]], max_new_tokens, chat.stop, None, seed=seed,
-                                    result=r, state=state, mtp_state=mtp_state, hidden=hidden, history=tokens[:begin],
-                                    **sampling)
-                out = (t for emitted in rounds for t in emitted)
-            else:
-                r, out = None, stream(model, [tokens[begin:]], max_new_tokens, chat.stop, seed=seed, state=state,
-                                      history=tokens[:begin], **sampling)
-            counted = []
+        begin = start if cut is None else max(cut, start)
+        self.fed = len(tokens) - start
+        if self.mtp is not None:  # stream_mtp、stream 每产出一步前自己进入 inference_mode
+            r = SpecResult()
+            rounds = stream_mtp(model, self.mtp, [tokens[begin:]], max_new_tokens, chat.stop, None, seed=seed,
+                                result=r, state=state, mtp_state=mtp_state, hidden=hidden, history=tokens[:begin],
+                                **sampling)
+            out = (t for emitted in rounds for t in emitted)
+        else:
+            r, out = None, stream(model, [tokens[begin:]], max_new_tokens, chat.stop, seed=seed, state=state,
+                                  history=tokens[:begin], **sampling)
+        counted = []
 
-            def counting(tokens):
-                for t in tokens:
-                    counted.append(t)
-                    yield t
+        def counting(tokens):
+            for t in tokens:
+                counted.append(t)
+                yield t
 
-            yield from chat.stream_text(counting(out))
+        yield from chat.stream_text(counting(out))
         self.stats = dict(tokens=len(counted), seconds=time.perf_counter() - t0,  # drafted、hits：用了草稿头时才有
                           drafted=r.drafted if r else None, hits=r.hits if r else None)
 
@@ -134,15 +146,19 @@ class Conversation:
         return State(self.model), AttentionState() if self.mtp is not None else None, None, 0
 
     def feed(self, tokens, start, end, state, mtp_state, hidden):
-        """主模型读 tokens[start:end]；草稿头顺手读这一段的 (h_t, e_{t+1}) 对（最后一对要等下一个 token）。
-        返回最后一个位置的隐藏状态 [1, 1, h]。"""
-        ids = torch.tensor([tokens[start:end]])
-        h = self.model.hidden(ids, state)  # [1, n, h]
-        if self.mtp is not None:
-            if hidden is None:  # 从头读：第一对是 (h_0, e_1)
-                pairs_h, pairs_e, first = h[:, :-1], ids[:, 1:], 0
-            else:  # 接着读：第一对是上次最后一个位置的 (h_{start-1}, e_start)
-                pairs_h, pairs_e, first = torch.cat([hidden, h[:, :-1]], 1), ids, start - 1
-            if pairs_e.shape[1]:
-                self.mtp(self.model.embed_tokens(pairs_e), pairs_h, first, mtp_state)
-        return h[:, -1:]
+        return feed(self.model, self.mtp, tokens, start, end, state, mtp_state, hidden)
+
+
+def feed(model, mtp, tokens, start, end, state, mtp_state, hidden):
+    """主模型读 tokens[start:end]；有草稿头时它顺手读这一段的 (h_t, e_{t+1}) 对（最后一对要等下一个 token）。
+    hidden：上次读到的最后一个位置的隐藏状态（从头读时 None）。返回这次最后一个位置的隐藏状态 [1, 1, h]。"""
+    ids = torch.tensor([tokens[start:end]])
+    h = model.hidden(ids, state)  # [1, n, h]
+    if mtp is not None:
+        if hidden is None:  # 从头读：第一对是 (h_0, e_1)
+            pairs_h, pairs_e, first = h[:, :-1], ids[:, 1:], 0
+        else:  # 接着读：第一对是上次最后一个位置的 (h_{start-1}, e_start)
+            pairs_h, pairs_e, first = torch.cat([hidden, h[:, :-1]], 1), ids, start - 1
+        if pairs_e.shape[1]:
+            mtp(model.embed_tokens(pairs_e), pairs_h, first, mtp_state)
+    return h[:, -1:]

@@ -128,6 +128,21 @@ def test_chat_reply_uses_one_conversation(lively, model):
     assert chat.conversation is conv and conv.fed < len(chat.encode(chat.prompt(second))[0])
 
 
+def test_reply_between_yields(lively, model):
+    """reply 是生成器：调用方在两段文字之间的代码不在 inference_mode 里（它只包住预填充与每一步）；同一个 Conversation
+    上一个回答还没生成完又要另一个时，清楚地报错；读完之后照常。"""
+    conv = Conversation(Chat(model, lively[0]))
+    messages = [{"role": "user", "content": "你好"}]
+    pieces = []
+    for piece in conv.reply(messages, max_new_tokens=8, temperature=0):
+        assert not torch.is_inference_mode_enabled()
+        if not pieces:
+            with pytest.raises(RuntimeError, match="上一个回答还没生成完"):
+                next(conv.reply(messages, max_new_tokens=4))
+        pieces.append(piece)
+    assert pieces and "".join(conv.reply(messages, max_new_tokens=8, temperature=0)) == "".join(pieces)
+
+
 # ---------- 采样的默认值 ----------
 
 

@@ -191,6 +191,58 @@ def test_row_reader_matches_safetensors(tmp_path, dtype):
         RowReader(tmp_path / "t.safetensors", "a.bias")
 
 
+def test_row_reader_and_records_are_safe_across_threads(tmp_path, monkeypatch):
+    """服务器里几个请求同时用模型：8 个线程同时按行读同一个文件，每个读到的都是自己要的行（按位置读，不共用文件指针）；
+    8 个线程同时往同一个记录文件里加 key，一个也不丢，文件始终是完整的 JSON。"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import save_file
+
+    from qwen.fast.linear import read_record, record_file, write_record
+
+    table = torch.arange(2000 * 16, dtype=torch.float32).view(2000, 16)
+    save_file({"t": table}, str(tmp_path / "t.safetensors"))
+    rows = RowReader(tmp_path / "t.safetensors", "t")
+
+    def lookups(seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(300):
+            ids = torch.randint(0, 2000, (3,), generator=gen)
+            assert torch.equal(rows[ids], table[ids])
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(lookups, range(8)))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def writes(t):
+        for i in range(20):
+            write_record("r.json", f"{t}-{i}", i)
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(writes, range(8)))
+    assert all(read_record("r.json", f"{t}-{i}") == i for t in range(8) for i in range(20))
+    assert sorted(p.name for p in record_file("r.json").parent.iterdir()) == ["r.json", "r.json.lock"]  # 没有留下临时文件
+
+
+def test_gemv_leaves_onednn_alone(monkeypatch):
+    """打包的路径上一行 bfloat16 的输入乘普通布局的权重（起草词表那几行），不去开关进程级的 oneDNN 标志：
+    别的请求此刻做的矩阵乘法不受影响。"""
+    from qwen.fast.linear import gemv
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gemv 不该改 oneDNN 的开关")
+
+    monkeypatch.setattr(torch.backends.mkldnn, "set_flags", refuse)
+    w = torch.randn(300, 64).bfloat16()
+    x = torch.randn(1, 1, 64).bfloat16()
+    got = gemv(x, w)
+    assert got.shape == (1, 1, 300) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), x.float() @ w.float().T, rtol=0.02, atol=0.05)
+    assert torch.allclose(gemv(x.expand(2, 1, 64), w).float(), (x.float() @ w.float().T).expand(2, 1, 300), rtol=0.02, atol=0.05)
+
+
 def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
     """打包后嵌入表不在内存里：查表从文件读出的行与普通模型的嵌入逐位相同。"""
     packed = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=False)

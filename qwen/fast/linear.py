@@ -17,6 +17,8 @@
 import json
 import os
 import shutil
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -108,26 +110,51 @@ def record_file(name: str) -> Path:
 
 def read_record(name: str, key: str):
     """record_file(name) 里 key 对应的值；没有记录、记录坏了或 key 对不上时 None。"""
-    try:
-        record = json.loads(record_file(name).read_text())
-        return record.get(key) if isinstance(record, dict) else None
-    except (OSError, ValueError):
-        return None
+    return read_json(record_file(name)).get(key)
 
 
 def write_record(name: str, key: str, value) -> None:
-    """把 key → value 加进 record_file(name)；写不了（只读的家目录）就算了，下次再测一遍。"""
+    """把 key → value 加进 record_file(name)；写不了（只读的家目录）就算了，下次再测一遍。
+    几个进程或线程同时写时：读、改、写这三步在一把文件锁里做，新内容先写进临时文件再整个换上去（os.replace），
+    所以谁也不会读到写了一半的文件，谁加的 key 也不会被别人的旧内容盖掉。"""
     file = record_file(name)
     try:
-        record = json.loads(file.read_text())
-        record = record if isinstance(record, dict) else {}
-    except (OSError, ValueError):
-        record = {}
-    try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps(record | {key: value}, ensure_ascii=False, indent=1))
+        with locked(file.with_name(file.name + ".lock")):
+            record = read_json(file)
+            tmp = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(record | {key: value}, ensure_ascii=False, indent=1))
+            os.replace(tmp, file)
     except OSError:
         pass
+
+
+def read_json(file: Path) -> dict:
+    try:
+        record = json.loads(file.read_text())
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+@contextmanager
+def locked(lock_file: Path):
+    """独占一把文件锁（fcntl.flock；没有它的系统上退成进程内的锁）。"""
+    try:
+        import fcntl
+    except ImportError:
+        with RECORD_LOCK:
+            yield
+        return
+    with open(lock_file, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+RECORD_LOCK = threading.Lock()  # 只在没有 fcntl 的系统上用
 
 
 def can_compile() -> bool:
@@ -204,15 +231,13 @@ class BlockedLinear(nn.Module):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """一行输入乘普通布局的权重：CPU 上的 bfloat16 暂时关掉 oneDNN（它每次都先重排权重），走 PyTorch 自带的 gemv。
-    开关 oneDNN 的是进程级的标志：别的线程若在同一时刻做矩阵乘法，也会短暂地不用 oneDNN（结果不变，只是慢些）。"""
+    """几行输入（起草时通常一行）乘普通布局的权重 [out, in]。CPU 上 bfloat16 的 F.linear 走 oneDNN，每次先重排一遍权重；
+    torch.mv 走 PyTorch 自带的 gemv，不重排。不去开关 oneDNN：那是进程级的标志，几个请求同时用模型时会互相影响。"""
     if x.dtype != torch.bfloat16 or x.is_cuda:
         return F.linear(x, weight)
-    enabled = torch.backends.mkldnn.set_flags(False)[0]
-    try:
-        return F.linear(x, weight)
-    finally:
-        torch.backends.mkldnn.set_flags(enabled)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.stack([torch.mv(weight, r) for r in rows])  # [M, out]
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def can_pack(weight: torch.Tensor) -> bool:

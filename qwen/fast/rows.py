@@ -9,6 +9,7 @@ n 字节的 JSON 头（每个张量的 dtype、shape 与 data_offsets），再�
 
 import json
 import os
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class RowReader:
 
     def __init__(self, file: str | os.PathLike, name: str, dtype: torch.dtype | None = None):
         self.file = open(file, "rb")  # 一直开着，对象回收时关闭
+        self.lock = threading.Lock()  # 没有 os.pread 的系统上，seek 与 read 要成对地做
         n = int.from_bytes(self.file.read(8), "little")
         info = json.loads(self.file.read(n))[name]
         if info["dtype"] not in SAFETENSORS_DTYPES or len(info["shape"]) != 2:
@@ -94,15 +96,30 @@ class RowReader:
         """ids 任意形状的整数张量 → [..., 列数]，dtype 为 self.dtype。"""
         buf = bytearray()
         for i in ids.flatten().tolist():
-            self.file.seek(self.start + i * self.row_bytes)
-            buf += self.file.read(self.row_bytes)
+            buf += self.read_at(self.start + i * self.row_bytes, self.row_bytes)
         return torch.frombuffer(buf, dtype=self.file_dtype).view(*ids.shape, self.shape[1]).to(self.dtype)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """第 start…stop−1 行，一次连续读出：[stop − start, 列数]。"""
-        self.file.seek(self.start + start * self.row_bytes)
-        buf = bytearray(self.file.read((stop - start) * self.row_bytes))
+        buf = bytearray(self.read_at(self.start + start * self.row_bytes, (stop - start) * self.row_bytes))
         return torch.frombuffer(buf, dtype=self.file_dtype).view(stop - start, self.shape[1]).to(self.dtype)
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        """从文件的 offset 处读 size 个字节。按位置读（os.pread）不动共享的文件指针：几个请求同时查嵌入时，
+        先 seek 再 read 的两步会被别的线程插进来，读到别人的行。"""
+        if not hasattr(os, "pread"):
+            with self.lock:
+                self.file.seek(offset)
+                return self.file.read(size)
+        parts = []
+        while size > 0:
+            part = os.pread(self.file.fileno(), size, offset)  # 大块可能一次读不完
+            if not part:
+                raise ValueError(f"{self.file.name} 比它的文件头记录的短：检查点可能没下载完，请重新下载")
+            parts.append(part)
+            offset += len(part)
+            size -= len(part)
+        return b"".join(parts)
 
 
 class FileRows:

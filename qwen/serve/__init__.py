@@ -1,0 +1,13 @@
+"""附录 · 从模型到引擎：OpenAI 兼容的服务。
+
+- rows.py：几个请求的矩阵乘法对齐成一次（连续批处理），每个请求的输出与它单独运行时逐位相同；
+- engine.py：引擎。一个请求一个线程，跑单个请求的代码；留下的对话状态按 token 前缀给之后的请求接着用；
+- api.py：HTTP 层（FastAPI）。请求 ↔ token，流式的 SSE，OpenAI 的错误体。
+
+    python -m qwen serve --model demo        # 然后：curl http://127.0.0.1:8000/v1/chat/completions ...
+"""
+
+from .engine import Engine, Request
+from .rows import RowBatcher, share_rows
+
+__all__ = ["Engine", "Request", "RowBatcher", "share_rows"]

@@ -1,0 +1,196 @@
+"""附录 · 服务（二）：引擎。请求进来、生成、离开；留下的对话状态给下一个请求接着用。
+
+一个请求一个线程，跑的就是单个请求的代码：
+    读已经留下的前缀（PrefixCache）→ 把提示词读到最后一个用户问题的末尾、留一份状态 → 生成（stream_mtp 或 stream）
+线程都在 RowBatcher 里（rows.py）：各请求的矩阵乘法对齐成一次，谁先来后到都不改变谁的输出。同时生成的请求至多
+slots 个，多出来的排队；长提示词按 chunk 个 token 一段喂，正在生成的请求每一步至多等一段。客户端断开时请求的 cancel()
+被调用，它的线程在下一个 token 之前停下，状态随之释放。
+
+留下的状态（PrefixCache）与附录 conversation.py 的 Conversation 是同一个思路，只是跨请求、按 token 前缀查：
+对话的下一轮一定原样包含“到上一个用户问题为止”的那段提示词，从那里接着读，与从头读输出逐 token 相同。
+vLLM 的前缀缓存只能从块的边界接着读；混合模型的 DeltaNet 状态没法截短，所以我们只在一个个用户问题的末尾留份。
+"""
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import AttentionState
+from ..cache import State, copy_state
+from ..conversation import feed
+from ..mtp import SpecResult, stream_mtp
+from ..sample import check_sampling, stream
+from .rows import share_rows
+
+CHUNK = 64  # 长提示词按这么多个 token 一段喂：别的请求每一步至多等这一段
+
+
+@dataclass
+class Request:
+    """一个生成请求。ids：提示词的 token；keep：读到第几个 token 时留一份状态（最后一个用户问题的末尾；None 不留）。
+    生成的 token 一个个放进 out（最后放 None）；finish_reason：stop（停止符）、length（到了 max_tokens）或 cancelled。"""
+    ids: list
+    max_tokens: int
+    stop: list = field(default_factory=list)
+    sampling: dict = field(default_factory=dict)  # temperature、top_k、top_p、repetition_penalty、presence_penalty
+    seed: int | None = None
+    keep: int | None = None
+    out: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cached_tokens: int = 0  # 从留下的状态接着读、没有重读的提示词 token 数
+    tokens: list = field(default_factory=list)
+    finish_reason: str | None = None
+    error: Exception | None = None
+    started: float = 0.0
+
+    def cancel(self):
+        self.cancelled.set()
+
+    def events(self, timeout=None):
+        """逐个产出生成的 token，直到结束（出错时在这里抛出）。"""
+        while True:
+            t = self.out.get(timeout=timeout)
+            if t is None:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield t
+
+
+def state_bytes(*objs) -> int:
+    """留下的状态占多少字节：里面所有张量之和。"""
+    total = 0
+    for obj in objs:
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, (list, tuple)):
+            total += state_bytes(*obj)
+        elif hasattr(obj, "__dict__"):
+            total += state_bytes(*vars(obj).values())
+    return total
+
+
+class PrefixCache:
+    """留下的状态：token 前缀 → (State, 草稿头的 AttentionState, 最后一个位置的隐藏状态)，最近最少用的先丢，
+    总大小不超过 limit 字节。取出的是复制：各请求改的是自己的那份。"""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.items = OrderedDict()  # tuple(tokens) → (saved, 字节数)
+        self.size = 0
+        self.lock = threading.Lock()
+
+    def put(self, tokens, state, mtp_state, hidden):
+        saved = (copy_state(state), copy_state(mtp_state) if mtp_state is not None else None, hidden)
+        size = state_bytes(saved)
+        if size > self.limit:
+            return
+        with self.lock:
+            key = tuple(tokens)
+            if key in self.items:
+                self.size -= self.items.pop(key)[1]
+            self.items[key] = (saved, size)
+            self.size += size
+            while self.size > self.limit:
+                self.size -= self.items.popitem(last=False)[1][1]
+
+    def longest(self, tokens, upto: int):
+        """tokens[:upto] 之内最长的留下的前缀 → (长度, 复制出的 State, 草稿头的缓存, 隐藏状态)；没有时长度 0。"""
+        with self.lock:
+            best = None
+            for key in self.items:
+                if len(key) <= upto and (best is None or len(key) > len(best)) and tuple(tokens[: len(key)]) == key:
+                    best = key
+            if best is None:
+                return 0, None, None, None
+            self.items.move_to_end(best)
+            state, mtp_state, hidden = self.items[best][0]
+        return len(best), copy_state(state), copy_state(mtp_state) if mtp_state is not None else None, hidden
+
+
+class Engine:
+    """拥有模型的引擎：submit(Request) 之后从 request.events() 读 token。slots：同时生成的请求数；
+    cache_mb：留下的对话状态至多占多少 MB。"""
+
+    def __init__(self, model, mtp=None, slots: int = 8, cache_mb: int = 512, chunk: int = CHUNK):
+        self.model = model
+        self.mtp = mtp
+        self.batcher = share_rows(model, mtp)
+        model.piece = chunk  # 长提示词分段喂的段长（单独运行时也是这个段长：输出不因别的请求而变）
+        self.slots = threading.Semaphore(slots)
+        self.cache = PrefixCache(cache_mb * 2**20)
+        self.running = set()  # 正在生成（拿到位置）的请求
+        self.lock = threading.Lock()
+
+    def submit(self, request: Request) -> Request:
+        check_sampling(request.max_tokens, **request.sampling)
+        request.started = time.perf_counter()
+        threading.Thread(target=self.run, args=(request,), daemon=True, name="qwen-request").start()
+        return request
+
+    def run(self, request: Request):
+        try:
+            with self.slots:
+                if request.cancelled.is_set():
+                    request.finish_reason = "cancelled"
+                    return
+                with self.lock:
+                    self.running.add(id(request))
+                try:
+                    self.generate(request)
+                finally:
+                    with self.lock:
+                        self.running.discard(id(request))
+        except Exception as e:  # 交给读结果的一方抛出：服务器不因一个请求而停
+            request.error = e
+        finally:
+            request.out.put(None)
+
+    @torch.inference_mode()
+    def prefill(self, request: Request):
+        """从留下的最长前缀接着，读到 keep（最后一个用户问题的末尾）并留一份；没有 keep（续写）时读到倒数第二个 token。
+        → (State, 草稿头缓存, 隐藏状态, 读到哪)。这一段不参与对齐（见 generate）。"""
+        ids, keep, model = request.ids, request.keep, self.model
+        start, state, mtp_state, hidden = self.cache.longest(ids, keep) if keep is not None else (0, None, None, None)
+        if start == 0:
+            state, mtp_state, hidden = State(model), AttentionState() if self.mtp is not None else None, None
+        request.cached_tokens = start
+        end = keep if keep is not None else len(ids) - 1
+        if end > start:
+            hidden = feed(model, self.mtp, ids, start, end, state, mtp_state, hidden)
+            if keep is not None:
+                self.cache.put(ids[:keep], state, mtp_state, hidden)
+            start = end
+        return state, mtp_state, hidden, start
+
+    def generate(self, request: Request):
+        """先读长的提示词，再生成。读提示词的那一段不参与对齐：一段 chunk 个 token 的矩阵乘法不走 matvec，若在对齐里，
+        别的请求就得等它读完整个提示词；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。"""
+        state, mtp_state, hidden, start = self.prefill(request)
+        if self.batcher is None:
+            return self.decode(request, state, mtp_state, hidden, start)
+        with self.batcher.member():
+            return self.decode(request, state, mtp_state, hidden, start)
+
+    def decode(self, request: Request, state, mtp_state, hidden, start: int):
+        rest, history, s = [request.ids[start:]], request.ids[:start], request.sampling
+        if self.mtp is not None:
+            rounds = stream_mtp(self.model, self.mtp, rest, request.max_tokens, request.stop, None, seed=request.seed,
+                                result=SpecResult(), state=state, mtp_state=mtp_state, hidden=hidden, history=history,
+                                **s)
+            tokens = (t for emitted in rounds for t in emitted)
+        else:
+            tokens = stream(self.model, rest, request.max_tokens, request.stop, seed=request.seed, state=state,
+                            history=history, **s)
+        for t in tokens:
+            if request.cancelled.is_set():
+                request.finish_reason = "cancelled"
+                return
+            request.tokens.append(t)
+            request.out.put(t)
+        stopped = request.tokens and request.tokens[-1] in request.stop
+        request.finish_reason = "stop" if stopped else "length"
