@@ -57,15 +57,12 @@ def test_demo_loads_with_the_same_checks(demo):
     assert a.dtype == torch.float32 and a.std() > 0  # 训练过的参数，不是初值
 
 
-def test_demo_speculative_equals_greedy_and_accepts(demo):
-    """k = 1：输出与贪心逐 token 相同；留出提示词上的接受率至少 40%。"""
+def test_demo_draft_head_accepts(demo):
+    """k = 1：留出提示词上的接受率至少 40%（输出与贪心逐 token 相同由 test_chapter_script_on_demo 对四段提示词测）。"""
     model, mtp, chat = demo
     drafted = hits = 0
     for text in PROMPTS:
-        ids = chat.encode(text)
-        plain = generate(model, ids, 48, chat.stop)
-        r = speculate(model, mtp, ids, 48, chat.stop, draft_tokens=1)
-        assert r.tokens == plain, text
+        r = speculate(model, mtp, chat.encode(text), 48, chat.stop, draft_tokens=1)
         drafted, hits = drafted + r.drafted, hits + r.hits
     assert hits / drafted >= 0.4, hits / drafted
 

@@ -149,9 +149,7 @@ def test_acceptance_is_real_with_a_good_head(smooth):
     good = bad = 0.0
     for s in range(6):
         ids = ids_of(8, seed=5000 + s)  # 没拟合过的提示词
-        r = speculate(model, good_mtp, ids, 40)
-        assert r.tokens == generate(model, ids, 40)
-        good += r.acceptance / 6
+        good += speculate(model, good_mtp, ids, 40).acceptance / 6  # 输出与贪心相同由 test_greedy_speculative_equals_plain 测
         bad += speculate(model, mtp, ids, 40).acceptance / 6
     assert good >= 0.6, good
     assert bad <= 0.2, bad
@@ -377,7 +375,6 @@ def test_auto_draft_count_is_exact(model, mtp, seed):
     r = speculate(model, OracleDrafter(mtp, seq, 0.9, seed=seed), ids, 40)
     assert r.tokens == seq[10:]
     assert len({k for k, _, _ in r.trace if k}) >= 2
-    assert generate_mtp(model, mtp, ids, 12)[0] == seq[10:22]
 
 
 def test_compiled_speculative_equals_plain(lively):
