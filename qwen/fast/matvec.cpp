@@ -14,7 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__FMA__)
+#if defined(__AVX__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
