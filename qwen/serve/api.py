@@ -325,7 +325,10 @@ def create_app(server: Server):
         loop = asyncio.get_running_loop()
         tokens = asyncio.Queue()
         request.out = Forward(loop, tokens)
-        server.engine.submit(request)
+        try:
+            server.engine.submit(request)
+        except ValueError as e:  # 采样参数的组合不合法（第 12 章的 check_sampling）
+            raise ApiError(400, str(e)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
