@@ -24,6 +24,7 @@ from ..cache import State, copy_state
 from ..conversation import feed
 from ..mtp import SpecResult, stream_mtp
 from ..sample import check_sampling, stream
+from ..fast.linear import KERNEL_ROWS
 from .rows import share_rows
 
 CHUNK = 64  # 长提示词按这么多个 token 一段喂：别的请求每一步至多等这一段
@@ -153,7 +154,7 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, request: Request):
         """从留下的最长前缀接着，读到 keep（最后一个用户问题的末尾）并留一份；没有 keep（续写）时读到倒数第二个 token。
-        → (State, 草稿头缓存, 隐藏状态, 读到哪)。这一段不参与对齐（见 generate）。"""
+        → (State, 草稿头缓存, 隐藏状态, 读到哪)。长的提示词这一段在对齐之外读（见 generate）。"""
         ids, keep, model = request.ids, request.keep, self.model
         start, state, mtp_state, hidden = self.cache.longest(ids, keep) if keep is not None else (0, None, None, None)
         if start == 0:
@@ -168,11 +169,15 @@ class Engine:
         return state, mtp_state, hidden, start
 
     def generate(self, request: Request):
-        """先读长的提示词，再生成。读提示词的那一段不参与对齐：一段 chunk 个 token 的矩阵乘法不走 matvec，若在对齐里，
-        别的请求就得等它读完整个提示词；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。"""
-        state, mtp_state, hidden, start = self.prefill(request)
+        """读提示词，再生成。长的提示词在对齐之外读：多于 KERNEL_ROWS 个 token 的矩阵乘法不走 matvec，若在对齐里，别的请求
+        就得等它读完；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。短的提示词在对齐里读：几个同时来的
+        请求读提示词也共用一次读权重，第一个 token 来得早。两种读法算的是同一串运算，输出相同。"""
         if self.batcher is None:
-            return self.decode(request, state, mtp_state, hidden, start)
+            return self.decode(request, *self.prefill(request))
+        if len(request.ids) <= KERNEL_ROWS:
+            with self.batcher.member():
+                return self.decode(request, *self.prefill(request))
+        state, mtp_state, hidden, start = self.prefill(request)
         with self.batcher.member():
             return self.decode(request, state, mtp_state, hidden, start)
 
