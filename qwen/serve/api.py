@@ -272,9 +272,12 @@ def create_app(server: Server):
     def error(e: ApiError):
         return JSONResponse(e.body, status_code=e.status)
 
-    async def read_body(http: HttpRequest):
+    def authorize(http: HttpRequest):
         if server.api_key is not None and http.headers.get("authorization") != f"Bearer {server.api_key}":
             raise ApiError(401, "缺少或错误的 API key：请在 Authorization 头里带上 Bearer <key>", code="invalid_api_key")
+
+    async def read_body(http: HttpRequest):
+        authorize(http)
         if server.engine is None:
             raise ApiError(503, "模型还在加载" if server.load_error is None else f"模型加载失败：{server.load_error}")
         size = http.headers.get("content-length")
@@ -304,8 +307,7 @@ def create_app(server: Server):
 
     @app.get("/v1/models")
     async def models(http: HttpRequest):
-        if server.api_key is not None and http.headers.get("authorization") != f"Bearer {server.api_key}":
-            return error(ApiError(401, "缺少或错误的 API key", code="invalid_api_key"))
+        authorize(http)
         return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0, "owned_by": "qwen"}]}
 
     @app.post("/v1/chat/completions")

@@ -13,7 +13,6 @@ vLLM 的前缀缓存只能从块的边界接着读；混合模型的 DeltaNet �
 
 import queue
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -46,7 +45,6 @@ class Request:
     tokens: list = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None
-    started: float = 0.0
 
     def cancel(self):
         self.cancelled.set()
@@ -129,7 +127,6 @@ class Engine:
 
     def submit(self, request: Request) -> Request:
         check_sampling(request.max_tokens, **request.sampling)
-        request.started = time.perf_counter()
         threading.Thread(target=self.run, args=(request,), daemon=True, name="qwen-request").start()
         return request
 
