@@ -40,7 +40,15 @@ def compiled_model(tiny):
     return model
 
 
-FAST_LAYOUTS = ["packed_model", "compiled_model"]
+@pytest.fixture(scope="module")
+def blocked_model(tiny):
+    """默认（compile=None，能编译 C++ 时）：分块布局、C++ 的 matvec，DeltaNet 层解码时是 C++ 的 deltanet_step。"""
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    assert model.layers[0].linear_attn.step_kernel is not None
+    return model
+
+
+FAST_LAYOUTS = ["packed_model", "blocked_model", "compiled_model"]
 
 
 @pytest.mark.parametrize("which", FAST_LAYOUTS)
@@ -395,7 +403,7 @@ def test_kernel_cache_is_per_machine_and_rebuilt_when_broken(tmp_path, monkeypat
     assert kernel.kernel_file(cxx) != here
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(kernel, "SOURCE", tmp_path / "matvec.cpp")
+    monkeypatch.setattr(kernel, "SOURCES", [tmp_path / "matvec.cpp"])
     (tmp_path / "matvec.cpp").write_text("// 改过的源码\n")
     assert kernel.kernel_file(cxx) != here
     monkeypatch.undo()

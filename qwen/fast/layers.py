@@ -4,6 +4,7 @@
 再把它的 nn.Linear 换成 linear.py 的布局。子类只改写章节里留好的小方法：
 - project：读同一输入的几个投影拼成一个矩阵，一次乘完再切开；
 - delta_rule：解码与验证草稿（不多于 VERIFY_ROWS 个 token）时 DeltaNet 用就地更新的递推（recurrent_in_place）；
+  分块布局上（有 C++ 内核时）DeltaNet 层的这一段整个交给 deltanet.cpp，一个位置一次调用（FastDeltaNet.step）；
 - attend：解码一个 token、缓存又不短时按键值头分组成一次矩阵乘法（attend_cache），验证几个草稿时逐个查询地算；在 step.py
   编译的图里，KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）；
 - gates、rope：不编译时验证几个草稿的 β、g 与 RoPE 表逐行算（row_by_row）。
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from ..attention import Attention
 from ..chunk import chunk_gated_delta_rule
-from ..deltanet import GatedDeltaNet
+from ..deltanet import GatedDeltaNet, recurrent_gated_delta_rule
 from ..layer import DecoderLayer
 from ..mlp import MLP
 from ..model import Model
@@ -122,6 +123,40 @@ class FastAttention(Attention):
 
 
 class FastDeltaNet(GatedDeltaNet):
+    step_kernel = None  # 分块布局的层（speed_up_layer 挂上 Kernel）：解码、验证草稿时用 deltanet.cpp 逐个位置地算
+    step_consts = None  # 它要的四个常量，换布局时算好一次：卷积核 [K, C]、−exp(A_log)、dt_bias、门控 RMSNorm 的权重
+
+    def forward(self, x, state=None, valid=None, rule=recurrent_gated_delta_rule):
+        """解码与验证草稿（不多于 VERIFY_ROWS 个 token、不求导、没有左填充）且有 C++ 内核时交给 step；其余照第 7 章。"""
+        if self.step_kernel is None or state is None or valid is not None or x.shape[1] > VERIFY_ROWS \
+                or torch.is_grad_enabled():
+            return super().forward(x, state, valid, rule)
+        return self.step(x, state)
+
+    def step(self, x, state):
+        """x [B, T, hidden]，T ≤ VERIFY_ROWS：投影一次，再逐个位置调用 deltanet.cpp（卷积、归一化、门、递推、门控 RMSNorm
+        一次算完），最后 out_proj。与第 7 章同样的状态：卷积窗口、记忆 S；记历史（keep_history）时每个位置之后的 S 各留
+        一份——第一个位置就地更新（同 recurrent_in_place：回滚至少留下第一个 token）——窗口从完整的卷积输入里切。"""
+        B, T, _ = x.shape
+        K, C = self.kernel, 2 * self.key_dim + self.value_dim
+        Hv, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
+        dims = (self.num_k_heads, Hv, Dk, Dv, K)
+        proj = self.in_proj(x).float().contiguous()  # [B, T, C + Hv·Dv + 2Hv]：qkv、z、b、a
+        past = state.conv if state.conv is not None else proj.new_zeros(B, K - 1, C)
+        S = state.S.contiguous() if state.S is not None else proj.new_zeros(B, Hv, Dk, Dv)
+        conv, outs, parts = past, [], []
+        for t in range(T):
+            if t > 0 and state.keep_history:
+                S = S.clone()  # 前一个位置之后的 S 留着，回滚时取用
+            o, conv = self.step_kernel.deltanet_step(proj[:, t], conv, self.step_consts, self.norm.eps, S, dims)
+            outs.append(o)  # [B, Hv·Dv]
+            parts.append(S)
+        if state.keep_history:
+            state.history = (torch.cat([past, proj[..., :C]], dim=1), parts)  # 同第 7 章：(完整卷积输入, 每个位置之后的 S)
+        state.conv, state.S = conv, S
+        o = torch.stack(outs, dim=1)  # [B, T, Hv·Dv]
+        return self.out_proj(o.to(x.dtype))
+
     def project(self, x):
         return self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # 四个输入投影拼成一个矩阵
 
@@ -183,3 +218,7 @@ def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) 
         mixer.__class__ = FastAttention
     fuse(mixer, name, parts, kernel, quantize, dtype)
     setattr(mixer, out, fast_linear([getattr(mixer, out)], kernel, quantize, dtype))
+    if kernel is not None and layer.layer_type == "linear_attention":
+        mixer.step_kernel = kernel
+        mixer.step_consts = tuple(t.detach().float().contiguous() for t in (
+            mixer.conv1d.weight[:, 0].t(), -mixer.A_log.exp(), mixer.dt_bias, mixer.norm.weight))
