@@ -208,9 +208,10 @@ def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, t
 @torch.inference_mode()
 def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
                top_p=None, seed=None, repetition_penalty=1.0, presence_penalty=0.0, recompute=False, result=None,
-               state=None, mtp_state=None, hidden=None, history=()):
+               state=None, mtp_state=None, hidden=None, history=(), draft_cost=None):
     """逐轮产出这一轮的新 token（被接受的草稿连同主模型补的那个），细节记进 result（SpecResult）。接着已有的对话时：state
-    已读过 history，mtp_state 是草稿头读过它们的缓存，hidden [1, 1, h] 是最后一个位置的隐藏状态；ids 是新来的 token。"""
+    已读过 history，mtp_state 是草稿头读过它们的缓存，hidden [1, 1, h] 是最后一个位置的隐藏状态；ids 是新来的 token。
+    draft_cost：每轮问一次的函数，给出多起草一个 token 的代价（None 时是 mtp.draft_cost；服务时随同时生成的请求数变）。"""
     t0 = time.perf_counter()
     check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
@@ -241,7 +242,8 @@ def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, 
     drafter = Drafter(mtp_state or AttentionState(), pending_hidden, pending_tokens, pending_start)
     idle = 0  # 连续几轮没有起草
     while last not in stop and len(r.tokens) < max_new_tokens:
-        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], mtp.draft_cost)
+        cost = draft_cost() if draft_cost else mtp.draft_cost
+        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], cost)
         if k == 0 and idle >= PROBE_EVERY:  # 太久没起草：试一个，让接受率的估计跟上文本的变化
             k = 1
         k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token

@@ -141,6 +141,23 @@ def test_concurrent_streams_equal_their_solo_answers(served):
     assert engine.batcher.rows - rows > engine.batcher.calls - calls  # 平均每次调用多于一行
 
 
+def test_drafting_costs_more_in_a_batch(served):
+    """贪心的请求与别的请求一起生成时，多起草一个 token 按 BATCHED_DRAFT_COST 倍的代价算（接受率不够高就不起草）。"""
+    from qwen.serve.engine import BATCHED_DRAFT_COST
+
+    _, engine, _, _ = served
+    with engine.lock:
+        saved = set(engine.running)
+        engine.running.clear()
+        engine.running.add(1)
+        alone = engine.draft_cost()
+        engine.running.add(2)
+        together = engine.draft_cost()
+        engine.running.clear()
+        engine.running.update(saved)
+    assert alone == engine.mtp.draft_cost and together == BATCHED_DRAFT_COST * alone > alone
+
+
 def test_seeded_sampling_alone_and_in_a_batch(served):
     """带 seed 的采样：单独请求两次相同；三个同时请求，各自也与单独时相同。"""
     client, _, _, _ = served

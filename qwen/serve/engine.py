@@ -27,6 +27,9 @@ from ..fast.linear import KERNEL_ROWS
 from .rows import share_rows
 
 CHUNK = 64  # 长提示词按这么多个 token 一段喂：别的请求每一步至多等这一段
+# 与别的请求一起生成时，多起草一个 token 的代价是单独时（mtp.draft_cost）的几倍：验证的行让每个矩阵乘法多几行，
+# 起草与验证的小运算也要与别的请求抢 GIL（实测见 docs/performance.md“服务：连续批处理”）
+BATCHED_DRAFT_COST = 2.0
 
 
 @dataclass
@@ -178,12 +181,19 @@ class Engine:
         with self.batcher.member():
             return self.decode(request, state, mtp_state, hidden, start)
 
+    def draft_cost(self) -> float:
+        """贪心的请求每轮按这个代价挑草稿数（第 14 章 best_draft_count）：只有它一个在生成时是 mtp.draft_cost，
+        与别的请求一起时贵 BATCHED_DRAFT_COST 倍——接受率不够高时就不起草，这一轮就是成批的普通解码。
+        采样的请求不用它：草稿数变了，同一个种子抽出的 token 也变，一个请求的输出就会随别的请求而变。"""
+        return self.mtp.draft_cost * (BATCHED_DRAFT_COST if len(self.running) > 1 else 1.0)
+
     def decode(self, request: Request, state, mtp_state, hidden, start: int):
         rest, history, s = [request.ids[start:]], request.ids[:start], request.sampling
         if self.mtp is not None:
+            greedy = not s.get("temperature")  # 贪心：起不起草都是同样的 token，草稿数可以随批的大小变
             rounds = stream_mtp(self.model, self.mtp, rest, request.max_tokens, request.stop, None, seed=request.seed,
                                 result=SpecResult(), state=state, mtp_state=mtp_state, hidden=hidden, history=history,
-                                **s)
+                                draft_cost=self.draft_cost if greedy else None, **s)
             tokens = (t for emitted in rounds for t in emitted)
         else:
             tokens = stream(self.model, rest, request.max_tokens, request.stop, seed=request.seed, state=state,
