@@ -26,7 +26,7 @@ from ..attention import AttentionState
 from ..cache import State, copy_state, keep_history
 from ..mtp import MAX_DRAFTS, MTP, SpecResult, stream_mtp
 from ..sample import stream
-from .layers import COMPILED_PIECE, DECODE_LENGTHS, PackedModel, speed_up_layer
+from .layers import COMPILED_PIECE, DECODE_LENGTHS, PackedModel, speed_up_layer, speed_up_norms
 from .linear import (COMPILE_OPTIONS, BlockedLinear, PackedLinear, can_compile, can_pack, load_matvec,
                      fast_linear, gemv, read_record, write_record)
 from .rows import FileEmbedding, FileRows, RowReader, head_tensor, materialize, meta_tensor, tensor_file
@@ -83,6 +83,7 @@ def speedup(module, path, compile: bool | None = None, quantize: str | None = No
         materialize(model, path, part, f"layers.{i}.", raw=raw)
         speed_up_layer(layer, kernel, quantize, dtype)
         release_memory()  # 这一层的原始权重已经释放：还给操作系统，下一层的临时内存不再往上垒
+    speed_up_norms(model, kernel if compile is not True else None)  # 编译的图里用 PyTorch 的运算
     model.__class__ = PackedModel if kernel is None else FastModel
     if kernel is not None:
         model.piece = COMPILED_PIECE
@@ -133,6 +134,7 @@ def release_memory() -> None:
 def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None, graphs: bool = False, dtype=None) -> MTP:
     mtp.fc = fast_linear([mtp.fc], kernel, quantize, dtype)
     speed_up_layer(mtp.layers[0], kernel, quantize, dtype)
+    speed_up_norms(mtp, kernel if not graphs else None)
     mtp.__class__ = FastMTP
     mtp.draft_cost = (PACKED_COST if kernel is None else COMPILED_COST) / mtp.cfg.num_hidden_layers
     if graphs:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图

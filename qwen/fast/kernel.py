@@ -1,11 +1,12 @@
-"""附录 · 手写的 C++ 内核：分块布局的矩阵乘几行输入（matvec.cpp）与 DeltaNet 层解码一个位置（deltanet.cpp），
-编译一次，用 ctypes 调用。
+"""附录 · 手写的 C++ 内核：分块布局的矩阵乘几行输入（matvec.cpp）、DeltaNet 层解码一个位置（deltanet.cpp）、
+RMSNorm（norm.cpp），编译一次，用 ctypes 调用。
 
 解码的矩阵乘法只有 1～5 行输入，时间都花在读权重上；matvec.cpp 是一个几十行的循环，逐块顺序读权重、乘加进每行的
 累加器，每一行的求和顺序固定（验证的行与解码的行逐位相同，第 14 章）。它不包含 torch 的头文件，一两秒就编译完；
 Kernel 用 ctypes 把张量的数据指针交给它（调用时放开 GIL）。整步编译的图（step.py）里它是算子 torch.ops.qwen_fast.matvec
 （register_ops：图把它当外部调用）。加载权重时换布局、量化成 int8 也在这里（to_blocks、quantize_int8），一遍读完。
-deltanet.cpp 把 DeltaNet 层解码时的二三十个小运算合成一次调用（layers.py 的 FastDeltaNet.step），也放开 GIL。
+deltanet.cpp 把 DeltaNet 层解码时的二三十个小运算合成一次调用（layers.py 的 FastDeltaNet.step），norm.cpp 把 RMSNorm 的
+五六个小运算合成一次（FastRMSNorm），也都放开 GIL。
 
 第一次用时拿这台机器的 C++ 编译器（linear.py 的 find_compiler）编译它，.so 存在 $XDG_CACHE_HOME/qwen/kernels/ 下，
 文件名里是源码、编译器与 CPU 的指纹：换了其中任何一个就是另一个文件名，别的机器写下的文件从不加载（-march=native
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("matvec.cpp"), Path(__file__).with_name("deltanet.cpp")]  # 编进同一个 .so
+SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp")]  # 编进同一个 .so
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
 NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}  # 入口名字里的 dtype
@@ -40,7 +41,7 @@ def cpu_fingerprint() -> str:
 
 
 def kernel_file(cxx: str) -> Path:
-    """这台机器、这个编译器编译 matvec.cpp（与 deltanet.cpp）得到的 .so 该在哪儿。"""
+    """这台机器、这个编译器编译 SOURCES 得到的 .so 该在哪儿。"""
     from .linear import record_file
 
     key = "\n".join([*(s.read_text() for s in SOURCES), cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(), " ".join(FLAGS)])
@@ -48,7 +49,7 @@ def kernel_file(cxx: str) -> Path:
 
 
 def build(cxx: str, out: Path) -> None:
-    """用 cxx 把 matvec.cpp 与 deltanet.cpp 编译成 out（先写临时文件，编好了再改名）。失败时 RuntimeError 带上编译器的报错。"""
+    """用 cxx 把 SOURCES 编译成 out（先写临时文件，编好了再改名）。失败时 RuntimeError 带上编译器的报错。"""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -76,6 +77,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     **{f"matvec_{t}": [PTR, I64, I64, PTR, PTR, PTR, I64] for t in ("f32", "bf16", "i8")},
     **{f"to_blocks_{s}_{d}": [PTR, I64, I64, I64, PTR] for s in ("f32", "bf16") for d in ("f32", "bf16")},
     **{f"quantize_int8_{t}": [PTR, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
+    "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
     "deltanet_step": [PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, I64, I64, I64, I64, I64, I64],
 }
 
@@ -107,6 +109,13 @@ class Kernel:
         self.lib.deltanet_step(proj.data_ptr(), proj.stride(0), conv.data_ptr(), window.data_ptr(),
                                *(c.data_ptr() for c in consts), eps, S.data_ptr(), out.data_ptr(), B, Hk, Hv, Dk, Dv, K)
         return out, window
+
+    def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., D] → float32 的 x / sqrt(mean(x²) + eps) · scale（norm.cpp），每行各算各的。"""
+        xf = x.float().contiguous()
+        y = torch.empty_like(xf)
+        self.lib.rms_norm(xf.data_ptr(), xf.numel() // xf.shape[-1], xf.shape[-1], scale.data_ptr(), eps, y.data_ptr())
+        return y
 
     def to_blocks(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """几个 [out_i, in] 的矩阵上下拼起来 → 分块布局 [⌈Σ out_i / 32⌉, in, 32]，dtype（float32 或 bfloat16），补零行。"""

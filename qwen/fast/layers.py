@@ -7,7 +7,8 @@
   分块布局上（有 C++ 内核时）DeltaNet 层的这一段整个交给 deltanet.cpp，一个位置一次调用（FastDeltaNet.step）；
 - attend：解码一个 token、缓存又不短时按键值头分组成一次矩阵乘法（attend_cache），验证几个草稿时逐个查询地算；在 step.py
   编译的图里，KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）；
-- gates、rope：不编译时验证几个草稿的 β、g 与 RoPE 表逐行算（row_by_row）。
+- gates、rope：不编译时验证几个草稿的 β、g 与 RoPE 表逐行算（row_by_row）；
+- RMSNorm：1 + w 算好一次，有 C++ 内核时一次调用算完（FastRMSNorm，norm.cpp）。
 验证时逐个位置的这些写法，都是为了让每一行与单独解码那个 token 时逐位相同（第 14 章）。
 """
 
@@ -19,6 +20,7 @@ from ..chunk import chunk_gated_delta_rule
 from ..deltanet import GatedDeltaNet, recurrent_gated_delta_rule
 from ..layer import DecoderLayer
 from ..mlp import MLP
+from ..norm import RMSNorm, rms
 from ..model import Model
 from .linear import fast_linear
 
@@ -100,6 +102,26 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: t
 def _(q, k, v, k_buf, v_buf, pos):
     B, H, T, D = q.shape
     return q.new_empty(B, T, H * D)
+
+
+class FastRMSNorm(RMSNorm):
+    """零中心 RMSNorm，scale = 1 + w 换布局时算好一次；有 C++ 内核时一次调用算完（norm.cpp），否则照第 3 章的 rms。"""
+    step_kernel = None
+    scale = None
+
+    def forward(self, x):
+        if self.step_kernel is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return rms(x, self.eps, self.scale).to(x.dtype)
+        return self.step_kernel.rms_norm(x, self.scale, self.eps).to(x.dtype)
+
+
+def speed_up_norms(module, kernel=None) -> None:
+    """module 里的每个零中心 RMSNorm 换成 FastRMSNorm（权重已加载之后调用）。"""
+    for m in module.modules():
+        if type(m) is RMSNorm:
+            m.__class__ = FastRMSNorm
+            m.step_kernel = kernel
+            m.scale = (1.0 + m.weight.detach().float()).contiguous()
 
 
 class FastMLP(MLP):

@@ -31,6 +31,7 @@ class Waiting:
         self.scales = scales
         self.out = None
         self.error = None
+        self.done = threading.Event()  # 算完了（或出错了）：只叫醒交这几行的线程
 
 
 class RowBatcher:
@@ -40,7 +41,7 @@ class RowBatcher:
     def __init__(self, kernel, order=None):
         self.kernel = kernel
         self.order = order or {}  # id(blocks) → 它在前向里的先后（越小越先算）
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.members = set()  # 参与对齐的线程
         self.waiting = []  # 正在等的 Waiting，每个参与者至多一个
         self.calls = 0  # 统计：拼起来的调用次数
@@ -50,12 +51,12 @@ class RowBatcher:
     def member(self):
         """这个线程之内的 matvec 都参与对齐；离开时若别人都在等，替他们算。"""
         me = threading.get_ident()
-        with self.cond:
+        with self.lock:
             self.members.add(me)
         try:
             yield
         finally:
-            with self.cond:
+            with self.lock:
                 self.members.discard(me)
                 self.step()
 
@@ -63,18 +64,17 @@ class RowBatcher:
         if threading.get_ident() not in self.members:  # 不参与的线程（比如加载、预热）：直接算
             return self.kernel.matvec(x, blocks, scales)
         job = Waiting(x, blocks, scales)
-        with self.cond:
+        with self.lock:
             self.waiting.append(job)
             self.step()
-            while job.out is None and job.error is None:
-                self.cond.wait()
+        job.done.wait()
         if job.error is not None:
             raise job.error
         return job.out
 
     def step(self):
         """调度的一步（拿着锁时调用）：参与者都在等时，取前向顺序里最靠前的那个矩阵，等它的各行拼成一次调用，
-        结果按行分回去，叫醒大家（等别的矩阵的接着等）。"""
+        结果按行分回去，叫醒交了这几行的线程（等别的矩阵的接着等）。"""
         if not self.waiting or len(self.waiting) < len(self.members):
             return
         first = min(self.waiting, key=lambda j: self.order.get(id(j.blocks), len(self.order)))
@@ -90,7 +90,8 @@ class RowBatcher:
         except Exception as e:  # 交给每个等着的线程自己抛出
             for job in jobs:
                 job.error = e
-        self.cond.notify_all()
+        for job in jobs:  # 叫醒这几个线程（等别的矩阵的接着睡）
+            job.done.set()
 
 
 def share_rows(*models) -> RowBatcher | None:
