@@ -28,6 +28,7 @@ typedef int8_t v8b __attribute__((vector_size(8)));
 
 constexpr int BLOCK = 32;         // 每块的输出个数
 constexpr int LANES = BLOCK / 8;  // 每行 4 个累加向量
+constexpr int AHEAD = 64;         // 预取提前几个输入（bfloat16 时 64 行 × 64 字节 = 4 KB）
 constexpr int GROUP = 3;          // 一次最多乘几行：3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
 
 inline v8f madd(v8f acc, v8f x, v8f w) {  // acc + x·w
@@ -90,6 +91,7 @@ void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < LANES; ++k) acc[g][k] = v8f{};
   for (int64_t i = 0; i < n_in; ++i) {
+    __builtin_prefetch(w + (i + AHEAD) * BLOCK);  // 先要后面的权重：乘加的同时内存已在送下一段（越过块尾就是下一块）
     v8f xs[G];
     for (int g = 0; g < G; ++g) xs[g] = broadcast(x[g * n_in + i]);  // 第 g 行的 x[i] 广播成 8 份
     for (int k = 0; k < LANES; ++k) {
