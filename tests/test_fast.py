@@ -6,7 +6,7 @@ import torch
 from qwen import Model, State
 from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
-from qwen.fast.linear import (BLOCK, BlockedLinear, PackedLinear, from_blocks, load_matvec, matvec_blocks,
+from qwen.fast.linear import (BLOCK, KERNEL_ROWS, BlockedLinear, PackedLinear, from_blocks, load_matvec, matvec_blocks,
                               quantize_int8, to_blocks)
 from qwen.fast.rows import FileEmbedding, FileRows, RowReader
 
@@ -417,13 +417,16 @@ def test_kernel_cache_is_per_machine_and_rebuilt_when_broken(tmp_path, monkeypat
 
 
 def test_float32_model_keeps_bfloat16_blocks_exactly():
-    """float32 的模型读 bfloat16 的检查点：分块布局仍存 bfloat16（读的字节少一半），结果与存成 float32 逐位相同
-    （bfloat16 转 float32 是精确的），1～5 行（C++ 的 matvec）与长的预填充（拼回普通布局）都是。"""
+    """float32 的模型读 bfloat16 的检查点：分块布局仍存 bfloat16（读的字节少一半），C++ 的 matvec 算出的与存成 float32
+    逐位相同（bfloat16 转 float32 是精确的）。拼回普通布局要把整个矩阵转一遍 dtype，所以这样的块每个行数都走 C++ 的。"""
     kernel = load_matvec()
     w = torch.randn(70, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
     half = BlockedLinear([w], kernel, dtype=torch.float32)
     full = BlockedLinear([w.float()], kernel, dtype=torch.float32)
     assert half.blocks.dtype == torch.bfloat16 and full.blocks.dtype == torch.float32 and half.dtype == torch.float32
+    assert half.kernel_rows == float("inf") and full.kernel_rows == KERNEL_ROWS
     for rows in (1, 3, 5, 40):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-        assert half(x).dtype == torch.float32 and torch.equal(half(x), full(x)), rows
+        want = kernel.matvec(x, full.blocks)[:, :70]
+        assert half(x).dtype == torch.float32 and torch.equal(half(x), want), rows
+    assert torch.allclose(half(x), full(x), atol=1e-4)  # 40 行：float32 的块拼回普通布局交给 F.linear

@@ -187,7 +187,7 @@ def quantize_int8(weight, kernel, rows: int = 8192) -> tuple[torch.Tensor, torch
 
 
 class BlockedLinear(nn.Module):
-    """分块布局的矩阵（to_blocks），不超过 KERNEL_ROWS 行输入时用 kernel（load_matvec() 给的 C++ 算子）乘。
+    """分块布局的矩阵（to_blocks），不超过 kernel_rows 行输入时用 kernel（load_matvec() 给的 C++ 算子）乘。
     weight 可以是几个读同一输入的矩阵（上下拼起来），换布局时顺便转成 dtype（C++ 的 to_blocks 一遍完成）。
     quantize="int8"：权重存成 int8 的块加每个输出一个 float32 比例（quantize_int8），字节数是 bfloat16 的一半。"""
 
@@ -205,10 +205,11 @@ class BlockedLinear(nn.Module):
             self.blocks = kernel.to_blocks([p.detach() for p in parts], torch.bfloat16 if exact else self.dtype)
             self.scales = None
         self.kernel, self.bias = kernel, bias
-        # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear；CPU 没有 bfloat16 指令时 PyTorch 的 bfloat16 矩阵乘法极慢
-        # （48 行、7168 × 1024：1.3 s 对 C++ 的 13 ms，见 docs/performance.md），那就总用 C++ 的
+        # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear。两种情形总用 C++ 的（见 docs/performance.md）：CPU 没有 bfloat16
+        # 指令时 PyTorch 的 bfloat16 矩阵乘法极慢（48 行、7168 × 1024：1.3 s 对 C++ 的 13 ms）；块的 dtype 与模型的不同
+        # （float32 的模型、bfloat16 或 int8 的块）时每次拼回都要把整个矩阵转一遍 dtype，256 行以内都不如 C++ 的
         fast_gemm = self.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        self.kernel_rows = KERNEL_ROWS if fast_gemm else float("inf")
+        self.kernel_rows = KERNEL_ROWS if fast_gemm and self.blocks.dtype == self.dtype else float("inf")
 
     def dense(self) -> torch.Tensor:
         """拼回普通布局 [out, in]（int8 的乘回比例），长的预填充交给 F.linear。"""

@@ -169,8 +169,8 @@ class Engine:
         return state, mtp_state, hidden, start
 
     def generate(self, request: Request):
-        """读提示词，再生成。长的提示词在对齐之外读：多于 KERNEL_ROWS 个 token 的矩阵乘法不走 matvec，若在对齐里，别的请求
-        就得等它读完；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。短的提示词在对齐里读：几个同时来的
+        """读提示词，再生成。长的提示词（多于 KERNEL_ROWS 个 token）在对齐之外读：若在对齐里，别的请求每一步都得等它那一大段
+        矩阵乘法；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。短的提示词在对齐里读：几个同时来的
         请求读提示词也共用一次读权重，第一个 token 来得早。两种读法算的是同一串运算，输出相同。"""
         if self.batcher is None:
             return self.decode(request, *self.prefill(request))
