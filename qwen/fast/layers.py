@@ -26,6 +26,9 @@ from .linear import fast_linear
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
 VERIFY_ROWS = max(DECODE_LENGTHS)  # 不多于这么多个 token 时逐个位置地算（DeltaNet 递推、注意力逐个查询）：与解码逐位相同
+# DeltaNet 层不多于这么多个 token 时逐个位置地调用 C++ 的 deltanet_step（FastDeltaNet.step）：验证草稿（不多于 VERIFY_ROWS）
+# 必须这样算（与解码逐位相同）；短的提示词也这样读，32 个以内不比分块形式（第 8 章）慢，而且调用时放开 GIL
+STEP_ROWS = 32
 COMPILED_PIECE = 512  # 编译的路径上长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
 
 
@@ -149,14 +152,14 @@ class FastDeltaNet(GatedDeltaNet):
     step_consts = None  # 它要的四个常量，换布局时算好一次：卷积核 [K, C]、−exp(A_log)、dt_bias、门控 RMSNorm 的权重
 
     def forward(self, x, state=None, valid=None, rule=recurrent_gated_delta_rule):
-        """解码与验证草稿（不多于 VERIFY_ROWS 个 token、不求导、没有左填充）且有 C++ 内核时交给 step；其余照第 7 章。"""
-        if self.step_kernel is None or state is None or valid is not None or x.shape[1] > VERIFY_ROWS \
+        """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导、没有左填充）且有 C++ 内核时交给 step；其余照第 7 章。"""
+        if self.step_kernel is None or state is None or valid is not None or x.shape[1] > STEP_ROWS \
                 or torch.is_grad_enabled():
             return super().forward(x, state, valid, rule)
         return self.step(x, state)
 
     def step(self, x, state):
-        """x [B, T, hidden]，T ≤ VERIFY_ROWS：投影一次，再逐个位置调用 deltanet.cpp（卷积、归一化、门、递推、门控 RMSNorm
+        """x [B, T, hidden]，T ≤ STEP_ROWS：投影一次，再逐个位置调用 deltanet.cpp（卷积、归一化、门、递推、门控 RMSNorm
         一次算完），最后 out_proj。与第 7 章同样的状态：卷积窗口、记忆 S；记历史（keep_history）时每个位置之后的 S 各留
         一份——第一个位置就地更新（同 recurrent_in_place：回滚至少留下第一个 token）——窗口从完整的卷积输入里切。"""
         B, T, _ = x.shape
