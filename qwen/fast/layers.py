@@ -113,7 +113,9 @@ class FastRMSNorm(RMSNorm):
     scale = None
 
     def forward(self, x):
-        if self.step_kernel is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled():  # 求导时照第 3 章（scale 是算好的常量，梯度传不回 w）
+            return super().forward(x)
+        if self.step_kernel is None or torch.compiler.is_compiling():
             return rms(x, self.eps, self.scale).to(x.dtype)
         return self.step_kernel.rms_norm(x, self.scale, self.eps).to(x.dtype)
 
