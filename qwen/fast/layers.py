@@ -169,8 +169,9 @@ class FastDeltaNet(GatedDeltaNet):
         Hv, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
         dims = (self.num_k_heads, Hv, Dk, Dv, K)
         proj = self.in_proj(x).float().contiguous()  # [B, T, C + Hv·Dv + 2Hv]：qkv、z、b、a
-        past = state.conv if state.conv is not None else proj.new_zeros(B, K - 1, C)
-        S = state.S.contiguous() if state.S is not None else proj.new_zeros(B, Hv, Dk, Dv)
+        # C++ 按连续存放的 float32 读写这两块（章节里的状态本来就是，这里不过是保证）
+        past = state.conv.float().contiguous() if state.conv is not None else proj.new_zeros(B, K - 1, C)
+        S = state.S.float().contiguous() if state.S is not None else proj.new_zeros(B, Hv, Dk, Dv)
         conv, outs, parts = past, [], []
         for t in range(T):
             if t > 0 and state.keep_history:
