@@ -83,7 +83,7 @@ def speedup(module, path, compile: bool | None = None, quantize: str | None = No
         materialize(model, path, part, f"layers.{i}.", raw=raw)
         speed_up_layer(layer, kernel, quantize, dtype)
         release_memory()  # 这一层的原始权重已经释放：还给操作系统，下一层的临时内存不再往上垒
-    speed_up_norms(model, kernel if compile is not True else None)  # 编译的图里用 PyTorch 的运算
+    speed_up_norms(model, kernel)  # compile=True 时 compile_steps 再把 C++ 的换回 PyTorch 的运算（图里用）
     model.__class__ = PackedModel if kernel is None else FastModel
     if kernel is not None:
         model.piece = COMPILED_PIECE
