@@ -91,17 +91,21 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, state: AttentionState | None = None, valid=None):
         """x [B, T, hidden]；valid [B, L] 为真表示该位置是真实 token（批处理左填充时用）。"""
-        B, T, _ = x.shape
+        out = self.mix(*self.project(x), cos, sin, state, valid)  # [B, T, H·D]
+        return self.o_proj(out.to(x.dtype))  # [B, T, hidden]
+
+    def mix(self, q, k, v, cos, sin, state: AttentionState | None = None, valid=None):
+        """投影之后、o_proj 之前的一段：q（连同门）、k、v [B, T, ·] → 乘过输出门的注意力结果 [B, T, H·D]。"""
+        B, T, _ = q.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = (t.float() for t in self.project(x))  # 注意力在 float32 里算
+        q, k, v = q.float(), k.float(), v.float()  # 注意力在 float32 里算
         q, gate = q.view(B, T, H, 2 * D).chunk(2, dim=-1)  # 每个头：[查询 256 | 门 256]
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(k.view(B, T, Hkv, D)).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q, k, v, state, valid)  # [B, T, H·D]
-        out = out * torch.sigmoid(gate.reshape(B, T, H * D))  # 输出门
-        return self.o_proj(out.to(x.dtype))  # [B, T, hidden]
+        return out * torch.sigmoid(gate.reshape(B, T, H * D))  # 输出门
 
     def attend(self, q, k, v, state: AttentionState | None, valid):
         """q [B, H, T, D]，新的 k、v [B, Hkv, T, D]：接上缓存，做带掩码的注意力，返回 [B, T, H·D]。"""

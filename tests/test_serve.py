@@ -126,10 +126,10 @@ def test_stream_equals_non_stream_equals_generate(served):
 
 
 def test_concurrent_streams_equal_their_solo_answers(served):
-    """4 个并发的流，每个都与它单独请求时逐字相同；它们的矩阵乘法真的拼在了一起（一次调用里多于一个请求的行）。"""
+    """4 个并发的流，每个都与它单独请求时逐字相同；它们的前向真的拼在了一起（平均一次算多于一个请求的）。"""
     client, engine, _, _ = served
     solo = {q: ask(client, q, max_tokens=16, temperature=0).choices[0].message.content for q in QUESTIONS[:4]}
-    calls, rows = engine.batcher.calls, engine.batcher.rows
+    calls, jobs = engine.batcher.calls, engine.batcher.jobs
     results = {}
     threads = [threading.Thread(target=lambda q=q: results.__setitem__(q, streamed(client, q, max_tokens=16, temperature=0)[0]))
                for q in QUESTIONS[:4]]
@@ -138,7 +138,7 @@ def test_concurrent_streams_equal_their_solo_answers(served):
     for t in threads:
         t.join()
     assert results == solo
-    assert engine.batcher.rows - rows > engine.batcher.calls - calls  # 平均每次调用多于一行
+    assert engine.batcher.jobs - jobs > engine.batcher.calls - calls
 
 
 def test_drafting_costs_more_in_a_batch(served):

@@ -131,8 +131,11 @@ def speed_up_norms(module, kernel=None) -> None:
 
 class FastMLP(MLP):
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # gate_proj、up_proj 拼成一个矩阵
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up(x)))
+
+    def act(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)  # gate_proj、up_proj 拼成一个矩阵
+        return F.silu(gate) * up
 
 
 class FastAttention(Attention):
@@ -161,14 +164,19 @@ class FastDeltaNet(GatedDeltaNet):
         return self.step(x, state)
 
     def step(self, x, state):
-        """x [B, T, hidden]，T ≤ STEP_ROWS：投影一次，再逐个位置调用 deltanet.cpp（卷积、归一化、门、递推、门控 RMSNorm
-        一次算完），最后 out_proj。与第 7 章同样的状态：卷积窗口、记忆 S；记历史（keep_history）时每个位置之后的 S 各留
-        一份——第一个位置就地更新（同 recurrent_in_place：回滚至少留下第一个 token）——窗口从完整的卷积输入里切。"""
-        B, T, _ = x.shape
+        """x [B, T, hidden]，T ≤ STEP_ROWS：投影一次，再逐个位置调用 deltanet.cpp（mix），最后 out_proj。"""
+        o = self.mix(self.in_proj(x).float().contiguous(), state)  # [B, T, Hv·Dv]
+        return self.out_proj(o.to(x.dtype))
+
+    def mix(self, proj, state):
+        """投影之后、out_proj 之前的一段：proj [B, T, C + Hv·Dv + 2Hv]（qkv、z、b、a，连续存放的 float32）→ [B, T, Hv·Dv]。
+        每个位置一次 deltanet.cpp 的调用：卷积、归一化、门、递推、门控 RMSNorm 一次算完。与第 7 章同样的状态：卷积窗口、
+        记忆 S；记历史（keep_history）时每个位置之后的 S 各留一份——第一个位置就地更新（同 recurrent_in_place：回滚至少
+        留下第一个 token）——窗口从完整的卷积输入里切。"""
+        B, T, _ = proj.shape
         K, C = self.kernel, 2 * self.key_dim + self.value_dim
         Hv, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
         dims = (self.num_k_heads, Hv, Dk, Dv, K)
-        proj = self.in_proj(x).float().contiguous()  # [B, T, C + Hv·Dv + 2Hv]：qkv、z、b、a
         # C++ 按连续存放的 float32 读写这两块（章节里的状态本来就是，这里不过是保证）
         past = state.conv.float().contiguous() if state.conv is not None else proj.new_zeros(B, K - 1, C)
         S = state.S.float().contiguous() if state.S is not None else proj.new_zeros(B, Hv, Dk, Dv)
@@ -182,8 +190,7 @@ class FastDeltaNet(GatedDeltaNet):
         if state.keep_history:
             state.history = (torch.cat([past, proj[..., :C]], dim=1), parts)  # 同第 7 章：(完整卷积输入, 每个位置之后的 S)
         state.conv, state.S = conv, S
-        o = torch.stack(outs, dim=1)  # [B, T, Hv·Dv]
-        return self.out_proj(o.to(x.dtype))
+        return torch.stack(outs, dim=1)  # [B, T, Hv·Dv]
 
     def project(self, x):
         return self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # 四个输入投影拼成一个矩阵
@@ -214,12 +221,51 @@ class PackedModel(Model):
 
 
 class FastDecoderLayer(DecoderLayer):
+    rows = None  # 服务时（qwen/serve/rows.py 的 RowBatcher）：几个请求的同一层拼成一次 forward_many
+
     @property
     def dtype(self) -> torch.dtype:
         return self.mlp.down_proj.dtype
 
     def delta_rule(self, T: int):
         return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
+
+    def forward(self, x, cos, sin, state=None, valid=None):
+        if self.rows is not None and self.can_share(x, state, valid):
+            return self.rows.layer(self, x, cos, sin, state)
+        return super().forward(x, cos, sin, state, valid)
+
+    def can_share(self, x, state, valid) -> bool:
+        """这一层的这次前向能不能与别的请求拼在一起（forward_many）：一个序列、带状态、没有左填充、不求导，矩阵是分块布局；
+        DeltaNet 层还要走 C++ 的逐位置一步（不多于 STEP_ROWS 个 token）。"""
+        if x.shape[0] != 1 or state is None or valid is not None or torch.is_grad_enabled():
+            return False
+        if self.layer_type == "linear_attention":
+            return self.linear_attn.step_kernel is not None and x.shape[1] <= STEP_ROWS
+        return hasattr(self.self_attn.qkv, "blocks")
+
+    def forward_many(self, parts):
+        """几个请求的这一层一次算完：parts 是各自的 (x [1, T_i, hidden]，cos，sin，本层的状态)，返回各自的输出。
+        范数、矩阵乘法（C++，每行各用各的累加器）与残差对拼起来的 ΣT_i 行只算一次——权重只读一遍；混合器的中间一段
+        （mix：各用各的状态）与 MLP 的激活（有 exp）逐个请求地算，张量与它单独运行时形状相同。所以每个请求的输出与它
+        单独前向（forward）时逐位相同，与同时算几个请求、谁在前谁在后无关。"""
+        sizes = [p[0].shape[1] for p in parts]
+        x = torch.cat([p[0] for p in parts], dim=1)  # [1, ΣT, hidden]
+        h = self.input_layernorm(x).to(self.dtype)
+        if self.layer_type == "linear_attention":
+            mixer, out_proj = self.linear_attn, self.linear_attn.out_proj
+            proj = mixer.in_proj.matvec(h).float().split(sizes, dim=1)  # 各 [1, T_i, ·]
+            outs = [mixer.mix(p.contiguous(), state) for p, (_, _, _, state) in zip(proj, parts)]
+        else:
+            mixer, out_proj = self.self_attn, self.self_attn.o_proj
+            qkv = mixer.qkv.matvec(h).split(sizes, dim=1)
+            outs = [mixer.mix(*y.split(mixer.qkv_sizes, dim=-1), cos, sin, state)
+                    for y, (_, cos, sin, state) in zip(qkv, parts)]
+        x = x + out_proj.matvec(torch.cat(outs, dim=1).to(self.dtype)).float()
+        gate_up = self.mlp.gate_up.matvec(self.post_attention_layernorm(x).to(self.dtype)).split(sizes, dim=1)
+        act = torch.cat([self.mlp.act(y) for y in gate_up], dim=1)  # [1, ΣT, intermediate]
+        x = x + self.mlp.down_proj.matvec(act).float()
+        return list(x.split(sizes, dim=1))
 
 
 def fuse(module, name: str, parts: list[str], kernel, quantize=None, dtype=None) -> None:
