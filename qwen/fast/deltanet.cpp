@@ -40,16 +40,19 @@ void deltanet_step(const float* proj, int64_t ld, const float* conv, float* conv
                    int64_t B, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {
   const int64_t key = Hk * Dk, C = 2 * key + Hv * Dv;
   std::vector<float> y(B * C);  // 卷积 + SiLU 之后的 q、k、v
+#pragma omp parallel for schedule(static) if (B * C >= 4096)  // 几千个 exp：分给各个线程
+  for (int64_t bc = 0; bc < B * C; ++bc) {  // 因果深度卷积：y = Σ_j w_j · x_{t−K+1+j}，最后一项是这个位置的输入
+    const int64_t b = bc / C, c = bc % C;
+    const float* win = conv + b * (K - 1) * C;
+    float acc = win[c] * conv_w[c];
+    for (int64_t j = 1; j < K - 1; ++j) acc += win[j * C + c] * conv_w[j * C + c];
+    acc += proj[b * ld + c] * conv_w[(K - 1) * C + c];
+    y[bc] = silu(acc);
+  }
   for (int64_t b = 0; b < B; ++b) {
     const float* x = proj + b * ld;
     const float* win = conv + b * (K - 1) * C;
     float* yb = y.data() + b * C;
-    for (int64_t c = 0; c < C; ++c) {  // 因果深度卷积：y = Σ_j w_j · x_{t−K+1+j}，最后一项是这个位置的输入
-      float acc = win[c] * conv_w[c];
-      for (int64_t j = 1; j < K - 1; ++j) acc += win[j * C + c] * conv_w[j * C + c];
-      acc += x[c] * conv_w[(K - 1) * C + c];
-      yb[c] = silu(acc);
-    }
     float* next = conv_out + b * (K - 1) * C;  // 窗口往前挪一格
     std::memcpy(next, win + C, (K - 2) * C * sizeof(float));
     std::memcpy(next + (K - 2) * C, x, C * sizeof(float));

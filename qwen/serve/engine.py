@@ -171,15 +171,17 @@ class Engine:
     def generate(self, request: Request):
         """读提示词，再生成。长的提示词（多于 KERNEL_ROWS 个 token）在对齐之外读：若在对齐里，别的请求每一步都得等它那一大段
         矩阵乘法；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。短的提示词在对齐里读：几个同时来的
-        请求读提示词也共用一次读权重，第一个 token 来得早。两种读法算的是同一串运算，输出相同。"""
+        请求读提示词也共用一次读权重，第一个 token 来得早。两种读法算的是同一串运算，输出相同。
+        续写（没有 keep）的短提示词没有要留的状态，解码时一次读完：不必先读到倒数第二个 token、再单读最后一个。"""
+        fresh = (None, None, None, 0)  # 从头读：状态、草稿头的缓存、隐藏状态都是新的
         if self.batcher is None:
-            return self.decode(request, *self.prefill(request))
-        if len(request.ids) <= KERNEL_ROWS:
+            return self.decode(request, *(fresh if request.keep is None else self.prefill(request)))
+        if len(request.ids) > KERNEL_ROWS:
+            begun = self.prefill(request)  # 在对齐之外
             with self.batcher.member():
-                return self.decode(request, *self.prefill(request))
-        state, mtp_state, hidden, start = self.prefill(request)
+                return self.decode(request, *begun)
         with self.batcher.member():
-            return self.decode(request, state, mtp_state, hidden, start)
+            return self.decode(request, *(fresh if request.keep is None else self.prefill(request)))
 
     def draft_cost(self) -> float:
         """贪心的请求每轮按这个代价挑草稿数（第 14 章 best_draft_count）：只有它一个在生成时是 mtp.draft_cost，
