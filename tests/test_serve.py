@@ -141,6 +141,16 @@ def test_concurrent_streams_equal_their_solo_answers(served):
     assert engine.batcher.jobs - jobs > engine.batcher.calls - calls
 
 
+def test_a_drafting_request_is_not_starved(served):
+    """对齐的顺序里草稿头的几件事排在主模型各层之前：否则只要别的请求还在逐个 token 地解码（总在主模型的某一层等着），
+    起草的请求就一直轮不到。"""
+    _, engine, _, _ = served
+    order, model, mtp = engine.batcher.order, engine.model, engine.mtp
+    head = [order[id(mtp.fc.blocks)], order[id(mtp.layers[0])]]
+    main = [order[id(layer)] for layer in model.layers] + [order[id(model.lm_head.blocks)]]
+    assert max(head) < min(main)
+
+
 def test_drafting_costs_more_in_a_batch(served):
     """贪心的请求与别的请求一起生成时，多起草一个 token 按 BATCHED_DRAFT_COST 倍的代价算（接受率不够高就不起草）。"""
     from qwen.serve.engine import BATCHED_DRAFT_COST

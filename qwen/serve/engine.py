@@ -2,9 +2,9 @@
 
 一个请求一个线程，跑的就是单个请求的代码：
     读已经留下的前缀（PrefixCache）→ 把提示词读到最后一个用户问题的末尾、留一份状态 → 生成（stream_mtp 或 stream）
-线程都在 RowBatcher 里（rows.py）：各请求的矩阵乘法对齐成一次，谁先来后到都不改变谁的输出。同时生成的请求至多
-slots 个，多出来的排队；长提示词按 chunk 个 token 一段喂，正在生成的请求每一步至多等一段。客户端断开时请求的 cancel()
-被调用，它的线程在下一个 token 之前停下，状态随之释放。
+线程都在 RowBatcher 里（rows.py）：各请求的同一层由 RowBatcher 的一个线程一次算完，谁先来后到都不改变谁的输出。
+同时生成的请求至多 slots 个，多出来的排队；长提示词在对齐之外按 chunk 个 token 一段喂，不拖住正在生成的请求。
+客户端断开时请求的 cancel() 被调用，它的线程在下一个 token 之前停下，状态随之释放。
 
 留下的状态（PrefixCache）与附录 conversation.py 的 Conversation 是同一个思路，只是跨请求、按 token 前缀查：
 对话的下一轮一定原样包含“到上一个用户问题为止”的那段提示词，从那里接着读，与从头读输出逐 token 相同。
@@ -27,9 +27,9 @@ from ..fast.linear import KERNEL_ROWS
 from .rows import share_rows
 
 CHUNK = 64  # 长提示词按这么多个 token 一段喂：别的请求每一步至多等这一段
-# 与别的请求一起生成时，多起草一个 token 的代价是单独时（mtp.draft_cost）的几倍：验证的行让每个矩阵乘法多几行，
-# 起草与验证的小运算也要与别的请求抢 GIL（实测见 docs/performance.md“服务：连续批处理”）
-BATCHED_DRAFT_COST = 2.0
+# 与别的请求一起生成时，多起草一个 token 的代价是单独时（mtp.draft_cost）的几倍：单独时矩阵乘法多一行几乎不花钱（读权重
+# 的时间盖过了乘加），几个请求的行拼在一起之后多的行就不那么便宜了（实测见 docs/performance.md“服务：连续批处理”）
+BATCHED_DRAFT_COST = 3.5
 
 
 @dataclass

@@ -6,8 +6,8 @@ CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）�
 我们要它不改变任何一个请求的输出：一个请求与别的请求一起算时，每个 token 都与它单独运行时逐位相同。做法是：
 - 每个请求在自己的线程里跑单个请求的代码（第 12 章的 stream、第 14 章的 stream_mtp），用自己的 State；
 - 线程走到一个解码层（或层外的一个矩阵乘法：输出头、草稿头的 fc 与起草词表）时，把这一件事交给 RowBatcher 等着；
-  所有线程都在等时（step），同一层的几件事由一个线程一次算完（附录 qwen/fast 的 FastDecoderLayer.forward_many），
-  算完按请求分回去。一层之内范数与矩阵乘法对拼起来的行算一次（C++ 的内核每行各算各的，结果与一次算几行无关：投机解码
+  所有线程都在等时，RowBatcher 自己的线程（loop，调度的一步）把同一层的几件事一次算完（附录 qwen/fast 的
+  FastDecoderLayer.forward_many），算完按请求分回去。一层之内范数与矩阵乘法对拼起来的行算一次（C++ 的内核每行各算各的，结果与一次算几行无关：投机解码
   验证的行与单独解码的行逐位相同，靠的也是这一点），各请求的状态（注意力的缓存、DeltaNet 的记忆）各算各的；
 - 每一步只算前向顺序里最靠前的那一件（order）：走在前面的请求等一等落在后面的，几步之后大家走到同一层，之后就一直
   一起走。若每步把各人等着的都算掉，中途加入的请求永远与别人错开几层，一次也拼不上。
@@ -127,6 +127,7 @@ def share_rows(*models) -> RowBatcher | None:
     那时各请求照样各算各的，只是不共用读权重。"""
     from ..fast.layers import FastDecoderLayer
     from ..fast.linear import BlockedLinear
+    from ..mtp import MTP
 
     models = [m for m in models if m is not None]
     layers = [layer for m in models for layer in m.layers
@@ -142,7 +143,9 @@ def share_rows(*models) -> RowBatcher | None:
         layer.rows = batcher
     for m in outside:  # 输出头、起草词表的那几行、草稿头的 fc：这些矩阵乘法本身在线程之间对齐
         m.kernel = batcher
-    order = [m for model in models for m in forward_order(model)]
+    # 草稿头的在前：起草的请求先把草稿头的几件事算完，再与别的请求在第一层会合、一起验证。排在主模型之后的话，只要别的
+    # 请求还在一个接一个 token 地解码（总在主模型的某一层等着），起草的请求就一直轮不到
+    order = [m for model in sorted(models, key=lambda m: not isinstance(m, MTP)) for m in forward_order(model)]
     batcher.order = {id(m.blocks if isinstance(m, BlockedLinear) else m): i for i, m in enumerate(order)}
     return batcher
 
