@@ -48,6 +48,33 @@ def blocked_model(tiny):
     return model
 
 
+def test_layers_of_several_requests_at_once_equal_each_alone(blocked_model):
+    """服务时几个请求的同一层一次算完（forward_many，附录 qwen/serve）：解码的 1 个 token、验证的 3 个（记历史）、
+    短提示词的 7 个拼在一起，每个请求每一层的输出与它单独前向时逐位相同，之后的状态也是。"""
+    from qwen.attention import AttentionState
+    from qwen.cache import copy_state, keep_history
+
+    model, lengths = blocked_model, [1, 3, 7, 1]
+    with torch.inference_mode():
+        states = [State(model) for _ in lengths]
+        for i, state in enumerate(states[:-1]):  # 最后一个请求从头开始（还没有状态）
+            model.hidden(prompt(model.cfg.vocab_size, 5 + 3 * i, seed=i), state)
+        keep_history(states[1])
+        alone = [copy_state(state) for state in states[:-1]] + [State(model)]
+        keep_history(alone[1])
+        xs = [model.embed_tokens(prompt(model.cfg.vocab_size, T, seed=10 + i)).float() for i, T in enumerate(lengths)]
+        tables = [model.rope(torch.arange(state.pos, state.pos + T)) for state, T in zip(states, lengths)]
+        for j, layer in enumerate(model.layers):
+            many = layer.forward_many([(x, *t, state.layers[j]) for x, t, state in zip(xs, tables, states)])
+            solo = [layer(x, *t, state.layers[j]) for x, t, state in zip(xs, tables, alone)]
+            assert all(torch.equal(a, b) for a, b in zip(many, solo)), f"第 {j} 层"
+            for a, b in zip(states, alone):
+                a, b = a.layers[j], b.layers[j]
+                pairs = [(a.k, b.k), (a.v, b.v)] if isinstance(a, AttentionState) else [(a.conv, b.conv), (a.S, b.S)]
+                assert all(torch.equal(u, w) for u, w in pairs), f"第 {j} 层的状态"
+            xs = many
+
+
 FAST_LAYOUTS = ["packed_model", "blocked_model", "compiled_model"]
 
 

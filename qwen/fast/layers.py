@@ -236,13 +236,10 @@ class FastDecoderLayer(DecoderLayer):
         return super().forward(x, cos, sin, state, valid)
 
     def can_share(self, x, state, valid) -> bool:
-        """这一层的这次前向能不能与别的请求拼在一起（forward_many）：一个序列、带状态、没有左填充、不求导，矩阵是分块布局；
-        DeltaNet 层还要走 C++ 的逐位置一步（不多于 STEP_ROWS 个 token）。"""
-        if x.shape[0] != 1 or state is None or valid is not None or torch.is_grad_enabled():
-            return False
-        if self.layer_type == "linear_attention":
-            return self.linear_attn.step_kernel is not None and x.shape[1] <= STEP_ROWS
-        return hasattr(self.self_attn.qkv, "blocks")
+        """这一层的这次前向能不能与别的请求拼在一起（forward_many）：一个序列、不多于 STEP_ROWS 个 token（DeltaNet 层走
+        C++ 的逐位置一步）、带状态、没有左填充、不求导。rows 只挂在分块布局的层上（share_rows）。"""
+        return x.shape[0] == 1 and x.shape[1] <= STEP_ROWS and state is not None and valid is None \
+            and not torch.is_grad_enabled()
 
     def forward_many(self, parts):
         """几个请求的这一层一次算完：parts 是各自的 (x [1, T_i, hidden]，cos，sin，本层的状态)，返回各自的输出。
