@@ -51,7 +51,8 @@ class RowBatcher:
         self.waiting = []  # 正在等的 Waiting，每个参与者至多一个
         self.calls = 0  # 统计：算了几次
         self.jobs = 0  # 这几次一共算了几件事（几个请求的）
-        threading.Thread(target=self.loop, daemon=True, name="qwen-rows").start()
+        # OpenMP 的线程数是每个线程各自的设定：照创建它的线程（torch.set_num_threads 设过的）来
+        threading.Thread(target=self.loop, args=(torch.get_num_threads(),), daemon=True, name="qwen-rows").start()
 
     @contextmanager
     def member(self):
@@ -90,9 +91,10 @@ class RowBatcher:
             raise job.error
         return job.out
 
-    def loop(self):
+    def loop(self, threads: int):
         """调度：参与者都在等时，取前向顺序里最靠前的那一层（或矩阵），等它的几件事一次算完，结果按请求分回去，叫醒交了
         这几件事的线程（等别的的接着等）。"""
+        torch.set_num_threads(threads)
         while True:
             with self.lock:
                 while not self.waiting or len(self.waiting) < len(self.members):
