@@ -152,9 +152,10 @@ class Engine:
             request.out.put(None)
 
     @torch.inference_mode()
-    def prefill(self, request: Request):
+    def prefill(self, request: Request, rest: bool = False):
         """从留下的最长前缀接着，读到 keep（最后一个用户问题的末尾）并留一份；没有 keep（续写）时读到倒数第二个 token。
-        → (State, 草稿头缓存, 隐藏状态, 读到哪)。长的提示词这一段在对齐之外读（见 generate）。"""
+        rest=True 时留完一份再接着读到倒数第二个 token。→ (State, 草稿头缓存, 隐藏状态, 读到哪)。
+        长的提示词这一段在对齐之外读（见 generate）。"""
         ids, keep, model = request.ids, request.keep, self.model
         start, state, mtp_state, hidden = self.cache.longest(ids, keep) if keep is not None else (0, None, None, None)
         if start == 0:
@@ -166,18 +167,22 @@ class Engine:
             if keep is not None:
                 self.cache.put(ids[:keep], state, mtp_state, hidden)
             start = end
+        if rest and len(ids) - 1 > start:
+            hidden = feed(model, self.mtp, ids, start, len(ids) - 1, state, mtp_state, hidden)
+            start = len(ids) - 1
         return state, mtp_state, hidden, start
 
     def generate(self, request: Request):
         """读提示词，再生成。长的提示词（多于 KERNEL_ROWS 个 token）在对齐之外读：若在对齐里，别的请求每一步都得等它那一大段
         矩阵乘法；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。短的提示词在对齐里读：几个同时来的
-        请求读提示词也共用一次读权重，第一个 token 来得早。两种读法算的是同一串运算，输出相同。
+        请求读提示词也共用一次读权重，第一个 token 来得早。读法只看这个请求自己的长度，与别的请求无关：输出不因别的请求而变。
+        长的提示词在对齐之外一直读到倒数第二个 token：keep 之后也可能有一长段（比如很长的工具结果），也不该让别人等。
         续写（没有 keep）的短提示词没有要留的状态，解码时一次读完：不必先读到倒数第二个 token、再单读最后一个。"""
         fresh = (None, None, None, 0)  # 从头读：状态、草稿头的缓存、隐藏状态都是新的
         if self.batcher is None:
             return self.decode(request, *(fresh if request.keep is None else self.prefill(request)))
         if len(request.ids) > KERNEL_ROWS:
-            begun = self.prefill(request)  # 在对齐之外
+            begun = self.prefill(request, rest=True)  # 在对齐之外
             with self.batcher.member():
                 return self.decode(request, *begun)
         with self.batcher.member():
