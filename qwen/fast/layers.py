@@ -232,7 +232,7 @@ class FastDecoderLayer(DecoderLayer):
         return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
 
     def forward(self, x, cos, sin, state=None, valid=None):
-        if self.rows is not None and self.can_share(x, state, valid):
+        if self.rows is not None and self.rows.joined() and self.can_share(x, state, valid):
             return self.rows.layer(self, x, cos, sin, state)
         return super().forward(x, cos, sin, state, valid)
 

@@ -221,14 +221,13 @@ class BlockedLinear(nn.Module):
         M = x2.shape[0]
         if M > self.kernel_rows:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
             return F.linear(x2, self.dense(), self.bias).reshape(*x.shape[:-1], -1)
-        if torch.compiler.is_compiling():  # 整步编译的图里：注册的算子（图外直接调用，少一层分派）
-            y = torch.ops.qwen_fast.matvec(x2, self.blocks, self.scales)[:, : self.out_features]
-            return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], -1)
         return self.matvec(x)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        """不论几行都用 kernel 乘：每一行的结果与同时乘几行无关（服务时拼起来的几个请求的行要这样，见 qwen/serve）。"""
-        y = self.kernel.matvec(x.reshape(-1, x.shape[-1]), self.blocks, self.scales)[:, : self.out_features]  # 去掉补的零列
+        """不论几行都用 C++ 的 matvec 乘：每一行的结果与同时乘几行无关（服务时拼起来的几个请求的行要这样，见 qwen/serve）。
+        整步编译的图里用注册的算子，图外直接调用 kernel（少一层分派）。"""
+        mv = torch.ops.qwen_fast.matvec if torch.compiler.is_compiling() else self.kernel.matvec
+        y = mv(x.reshape(-1, x.shape[-1]), self.blocks, self.scales)[:, : self.out_features]  # 去掉补的零列
         return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], -1)
 
 

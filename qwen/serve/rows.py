@@ -78,9 +78,7 @@ class RowBatcher:
         return self.wait(Waiting(blocks, (x, blocks, scales)))
 
     def layer(self, layer, x, cos, sin, state):
-        """一个请求的一层（FastDecoderLayer.forward 交过来，它已确认这一次能拼：can_share）。"""
-        if not self.joined():
-            return layer.forward_many([(x, cos, sin, state)])[0]
+        """参与对齐的线程的一层（FastDecoderLayer.forward 交过来，它已确认这一次能拼：can_share）。"""
         return self.wait(Waiting(layer, (x, cos, sin, state)))
 
     def wait(self, job: Waiting):
