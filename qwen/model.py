@@ -79,12 +79,16 @@ class Model(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(ids)  # [B, T, hidden]
         dtype = x.dtype  # 权重的 dtype：最后的隐藏状态转回它，交给输出头
-        x = x.float()  # 残差流用 float32
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, None if state is None else state.layers[i], valid)
+        x = self.run_layers(x.float(), cos, sin, state, valid)  # 残差流用 float32
         if state is not None:
             state.pos += T
         return self.norm(x).to(dtype)
+
+    def run_layers(self, x, cos, sin, state=None, valid=None) -> torch.Tensor:
+        """24 个解码层逐层加工 x [B, T, hidden]，各层用状态里自己的那一份。"""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, None if state is None else state.layers[i], valid)
+        return x
 
     def rope(self, positions):
         """各位置的 RoPE 表 cos、sin（第 5 章）。"""

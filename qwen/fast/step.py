@@ -60,6 +60,7 @@ class FastModel(PackedModel):
     其余（以及不编译时）照第 10 章，RoPE 表逐个位置地算（PackedModel）。"""
 
     step_lengths = ()  # 哪些 token 数走编译的一步（没编译时没有）
+    rows = None  # 服务时（qwen/serve/rows.py 的 RowBatcher）：几个请求的全部解码层一次算完（layers_many）
 
     def compile_steps(self, lengths) -> None:
         self.step_lengths = tuple(lengths)
@@ -80,6 +81,21 @@ class FastModel(PackedModel):
             else:
                 x, s.conv, s.S, s.history = deltanet_layer(layer, x, s.conv, s.S, s.keep_history)
         return self.norm(x)
+
+    def run_layers(self, x, cos, sin, state=None, valid=None):
+        """服务时能与别的请求拼在一起的一次前向（FastDecoderLayer.can_share）交给 RowBatcher：它的线程把这时在等的几个
+        请求的全部解码层一次算完（layers_many）。"""
+        if self.rows is not None and self.rows.joined() and self.layers[0].can_share(x, state, valid):
+            return self.rows.model(self, x, cos, sin, state)
+        return super().run_layers(x, cos, sin, state, valid)
+
+    def layers_many(self, parts):
+        """几个请求的全部解码层：parts 是各自的 (x [1, T_i, hidden]，cos，sin，State)，返回各自的输出。逐层对所有请求
+        调用一次 FastDecoderLayer.forward_many：每一层里每个请求的输出与它单独前向时逐位相同，全部层也就如此。"""
+        xs = [x for x, _, _, _ in parts]
+        for i, layer in enumerate(self.layers):
+            xs = layer.forward_many([(x, cos, sin, state.layers[i]) for x, (_, cos, sin, state) in zip(xs, parts)])
+        return xs
 
     def hidden(self, ids, state=None):
         ids = self.check_ids(ids, state)

@@ -25,10 +25,12 @@ import torch
 
 
 class Waiting:
-    """一个线程交上来、等着算的一件事：key 是哪个矩阵（它的 blocks）或哪一层，args 是输入；结果放进 out。"""
+    """一个线程交上来、等着算的一件事：key 是哪个矩阵（它的 blocks）、哪一层或哪个模型的全部层，args 是输入；
+    run 把同一个 key 的几件事的输入（列表）一次算完，返回各自的结果；结果放进 out。"""
 
-    def __init__(self, key, args):
+    def __init__(self, key, run, args):
         self.key = key
+        self.run = run
         self.args = args
         self.out = None
         self.error = None
@@ -75,11 +77,21 @@ class RowBatcher:
     def matvec(self, x, blocks, scales):
         if not self.joined():  # 不参与的线程（比如加载、预热、对齐之外的长提示词）：直接算
             return self.kernel.matvec(x, blocks, scales)
-        return self.wait(Waiting(blocks, (x, blocks, scales)))
+        return self.wait(Waiting(blocks, self.matvecs, (x, blocks, scales)))
+
+    def matvecs(self, args: list) -> list:
+        """同一个矩阵乘几个请求的行：拼起来乘一次，再按请求切开。"""
+        x = args[0][0] if len(args) == 1 else torch.cat([a[0] for a in args])  # [ΣM, in]
+        y = self.kernel.matvec(x, args[0][1], args[0][2])  # [ΣM, out]
+        return y.split([a[0].shape[0] for a in args])
+
+    def model(self, model, x, cos, sin, state):
+        """参与对齐的线程的全部解码层（FastModel.run_layers 交过来，它已确认这一次能拼：can_share）。"""
+        return self.wait(Waiting(model, model.layers_many, (x, cos, sin, state)))
 
     def layer(self, layer, x, cos, sin, state):
-        """参与对齐的线程的一层（FastDecoderLayer.forward 交过来，它已确认这一次能拼：can_share）。"""
-        return self.wait(Waiting(layer, (x, cos, sin, state)))
+        """参与对齐的线程的一层（草稿头的解码层：FastDecoderLayer.forward 交过来，同样已确认能拼）。"""
+        return self.wait(Waiting(layer, layer.forward_many, (x, cos, sin, state)))
 
     def wait(self, job: Waiting):
         with self.lock:
@@ -102,7 +114,8 @@ class RowBatcher:
                 jobs = [j for j in self.waiting if j.key is first.key]
                 self.waiting = [j for j in self.waiting if j.key is not first.key]
             try:
-                outs = self.run(first.key, [j.args for j in jobs])
+                with torch.inference_mode():
+                    outs = first.run([j.args for j in jobs])
                 for job, out in zip(jobs, outs):
                     job.out = out
                 self.calls += 1
@@ -113,21 +126,13 @@ class RowBatcher:
             for job in jobs:  # 叫醒这几个线程
                 job.done.set()
 
-    @torch.inference_mode()
-    def run(self, key, args: list) -> list:
-        """同一层（或同一个矩阵）的几件事一次算完，返回各自的结果。"""
-        if not isinstance(key, torch.Tensor):
-            return key.forward_many(args)
-        x = args[0][0] if len(args) == 1 else torch.cat([a[0] for a in args])  # [ΣM, in]
-        y = self.kernel.matvec(x, key, args[0][2])  # [ΣM, out]
-        return y.split([a[0].shape[0] for a in args])
-
 
 def share_rows(*models) -> RowBatcher | None:
     """让模型（和草稿头）的解码层与层外的矩阵都经过同一个 RowBatcher；没有分块布局（打包的路径、普通模型）时返回 None：
     那时各请求照样各算各的，只是不共用读权重。"""
     from ..fast.layers import FastDecoderLayer
     from ..fast.linear import BlockedLinear
+    from ..fast.step import FastModel
     from ..mtp import MTP
 
     models = [m for m in models if m is not None]
@@ -140,8 +145,11 @@ def share_rows(*models) -> RowBatcher | None:
     batcher = layers[0].rows or RowBatcher(layers[0].mlp.down_proj.kernel)
     inside = {id(m) for layer in layers for m in layer.modules()}
     outside = [m for model in models for m in model.modules() if isinstance(m, BlockedLinear) and id(m) not in inside]
-    for layer in layers:
+    for layer in layers:  # 主模型的层由模型整个交过来（FastModel.run_layers）；草稿头的层一层一层地交
         layer.rows = batcher
+    for model in models:
+        if isinstance(model, FastModel):
+            model.rows = batcher
     for m in outside:  # 输出头、起草词表的那几行、草稿头的 fc：这些矩阵乘法本身在线程之间对齐
         m.kernel = batcher
     # 草稿头的在前：起草的请求先把草稿头的几件事算完，再与别的请求在第一层会合、一起验证。排在主模型之后的话，只要别的
@@ -152,6 +160,11 @@ def share_rows(*models) -> RowBatcher | None:
 
 
 def forward_order(model):
-    """模型（或草稿头）一次前向经过的：草稿头先乘 fc，再是各解码层，最后是输出头（草稿头是起草词表的那几行）。"""
-    out = [getattr(model, "fc", None), *model.layers, getattr(model, "lm_head", None), getattr(model, "draft_head", None)]
+    """模型（或草稿头）一次前向经过的：主模型是全部解码层（模型本身交过来），再是输出头；草稿头先乘 fc，再是它的
+    解码层，最后是起草词表的那几行。"""
+    from ..fast.step import FastModel
+
+    if isinstance(model, FastModel):
+        return [model, model.lm_head]
+    out = [getattr(model, "fc", None), *model.layers, getattr(model, "draft_head", None)]
     return [m for m in out if m is not None and (hasattr(m, "blocks") or hasattr(m, "forward_many"))]
