@@ -9,7 +9,8 @@
   编译的图里，KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）；
 - gates、rope：不编译时验证几个草稿的 β、g 与 RoPE 表逐行算（row_by_row）；
 - RMSNorm：1 + w 算好一次，有 C++ 内核时一次调用算完（FastRMSNorm，norm.cpp）；
-- 服务时（qwen/serve）几个请求的同一层一次算完：FastDecoderLayer.forward_many，拼起来的行只读一遍权重。
+- 服务时（qwen/serve）几个请求的同一层一次算完：FastDecoderLayer.forward_many（step.py 的 FastModel.layers_many
+  逐层调用），拼起来的行只读一遍权重。
 验证时逐个位置的这些写法，都是为了让每一行与单独解码那个 token 时逐位相同（第 14 章）。
 """
 

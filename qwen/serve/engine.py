@@ -2,7 +2,7 @@
 
 一个请求一个线程，跑的就是单个请求的代码：
     读已经留下的前缀（PrefixCache）→ 把提示词读到最后一个用户问题的末尾、留一份状态 → 生成（stream_mtp 或 stream）
-线程都在 RowBatcher 里（rows.py）：各请求的同一层由 RowBatcher 的一个线程一次算完，谁先来后到都不改变谁的输出。
+线程都在 RowBatcher 里（rows.py）：各请求的前向由 RowBatcher 的一个线程一次算完，谁先来后到都不改变谁的输出。
 同时生成的请求至多 slots 个，多出来的排队；长提示词在对齐之外按 chunk 个 token 一段喂，不拖住正在生成的请求。
 客户端断开时请求的 cancel() 被调用，它的线程在下一个 token 之前停下，状态随之释放。
 

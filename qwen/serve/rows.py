@@ -5,17 +5,18 @@ CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）�
 
 我们要它不改变任何一个请求的输出：一个请求与别的请求一起算时，每个 token 都与它单独运行时逐位相同。做法是：
 - 每个请求在自己的线程里跑单个请求的代码（第 12 章的 stream、第 14 章的 stream_mtp），用自己的 State；
-- 线程走到一个解码层（或层外的一个矩阵乘法：输出头、草稿头的 fc 与起草词表）时，把这一件事交给 RowBatcher 等着；
-  所有线程都在等时，RowBatcher 自己的线程（loop，调度的一步）把同一层的几件事一次算完（附录 qwen/fast 的
-  FastDecoderLayer.forward_many），算完按请求分回去。一层之内范数与矩阵乘法对拼起来的行算一次（C++ 的内核每行
-  各算各的，结果与一次算几行无关：投机解码验证的行与单独解码的行逐位相同，靠的也是这一点），各请求的状态（注意力的
-  缓存、DeltaNet 的记忆）各算各的；
+- 线程走到主模型的解码层（全部 24 层是一件事：FastModel.run_layers）、草稿头的解码层，或层外的一个矩阵乘法（输出头、
+  草稿头的 fc 与起草词表）时，把这一件事交给 RowBatcher 等着；所有线程都在等时，RowBatcher 自己的线程（loop，调度的
+  一步）把同一件事的几份一次算完（附录 qwen/fast 的 FastModel.layers_many 逐层调用 FastDecoderLayer.forward_many），
+  算完按请求分回去。一层之内范数与矩阵乘法对拼起来的行算一次（C++ 的内核每行各算各的，结果与一次算几行无关：投机解码
+  验证的行与单独解码的行逐位相同，靠的也是这一点），各请求的状态（注意力的缓存、DeltaNet 的记忆）各算各的；
 - 每一步只算前向顺序里最靠前的那一件（order）：走在前面的请求等一等落在后面的，几步之后大家走到同一层，之后就一直
   一起走。若每步把各人等着的都算掉，中途加入的请求永远与别人错开几层，一次也拼不上。
 
-一层由一个线程算：线程之间不必为 24 层里的几百个小运算抢 GIL（Python 一次只让一个线程跑），每个请求只剩嵌入、RoPE
-表、采样这些每个 token 一次的小事。所以谁在什么时候加入、离开都无所谓：新请求的预填充、别人的解码、投机解码验证 k+1 个
-token，只要走到同一层，就共用那一次读权重。长提示词的预填充由引擎放在对齐之外（engine.py 的 generate），不拼。
+各层由一个线程算：线程之间不必为 24 层里的几百个小运算抢 GIL（Python 一次只让一个线程跑），每个请求只剩嵌入、RoPE
+表、采样这些每个 token 一次的小事；主模型的全部层是一件事，一步只交接一次（一层一件时，每层都要叫醒各请求的线程、再等它们
+交上下一层）。所以谁在什么时候加入、离开都无所谓：新请求的预填充、别人的解码、投机解码验证 k+1 个 token，只要走到同一处，
+就共用那一次读权重。长提示词的预填充由引擎放在对齐之外（engine.py 的 generate），不拼。
 """
 
 import threading
@@ -152,8 +153,8 @@ def share_rows(*models) -> RowBatcher | None:
             model.rows = batcher
     for m in outside:  # 输出头、起草词表的那几行、草稿头的 fc：这些矩阵乘法本身在线程之间对齐
         m.kernel = batcher
-    # 草稿头的在前：起草的请求先把草稿头的几件事算完，再与别的请求在第一层会合、一起验证。排在主模型之后的话，只要别的
-    # 请求还在一个接一个 token 地解码（总在主模型的某一层等着），起草的请求就一直轮不到
+    # 草稿头的在前：起草的请求先把草稿头的几件事算完，再与别的请求在主模型会合、一起验证。排在主模型之后的话，只要别的
+    # 请求还在一个接一个 token 地解码（总在主模型那里等着），起草的请求就一直轮不到
     order = [m for model in sorted(models, key=lambda m: not isinstance(m, MTP)) for m in forward_order(model)]
     batcher.order = {id(m.blocks if isinstance(m, BlockedLinear) else m): i for i, m in enumerate(order)}
     return batcher
