@@ -305,6 +305,20 @@ def test_blocks_round_trip_and_matvec(out):
     assert torch.allclose(load_matvec().matvec(x, blocks), y, atol=1e-5)
 
 
+def test_matvec_rows_do_not_depend_on_how_many_are_computed_together():
+    """C++ 的 matvec 每一行与单独乘它时逐位相同，不论一次乘几行、怎样分组（3 行一组，余 1 时第一组 4 行），
+    float32、bfloat16、int8 的块都是：投机解码验证的行、服务时拼在一起的请求都靠这一点。"""
+    kernel = load_matvec()
+    w = torch.randn(70, 96, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(10))
+    int8 = BlockedLinear(w, kernel, quantize="int8")
+    for blocks, s in ((kernel.to_blocks([w], torch.float32), None), (kernel.to_blocks([w.bfloat16()], torch.bfloat16), None),
+                      (int8.blocks, int8.scales)):
+        alone = torch.cat([kernel.matvec(x[i : i + 1], blocks, s) for i in range(13)])
+        for rows in (2, 3, 4, 5, 7, 8, 10, 13):
+            assert torch.equal(kernel.matvec(x[:rows], blocks, s), alone[:rows]), (blocks.dtype, rows)
+
+
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_compiled_bfloat16_matvec_matches_linear(quantize):
     """bfloat16 的分块矩阵（C++ 的 matvec）与 F.linear 差在 bfloat16 舍入之内，1～8 行与长的预填充都是。

@@ -29,7 +29,7 @@ typedef int8_t v8b __attribute__((vector_size(8)));
 constexpr int BLOCK = 32;         // 每块的输出个数
 constexpr int LANES = BLOCK / 8;  // 每行 4 个累加向量
 constexpr int AHEAD = 64;         // 预取提前几个输入（bfloat16 时 64 行 × 64 字节 = 4 KB）
-constexpr int GROUP = 3;          // 一次最多乘几行：3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
+constexpr int GROUP = 3;          // 一次通常乘几行：3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
 
 inline v8f madd(v8f acc, v8f x, v8f w) {  // acc + x·w
 #if defined(__FMA__)
@@ -103,17 +103,20 @@ void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
 }
 
 // x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 的比例）。
-// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那些块。行多于 GROUP 时每块分几次乘，
-// 后几次读的是刚读过、还在缓存里的那块
+// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那些块。行多于 GROUP 时每块分几组乘，
+// 后几组读的是刚读过、还在缓存里的那块。行数除以 GROUP 余 1 时（4、7、10……行）第一组乘 4 行：不然最后一组只有 1 行，
+// 为它把整块权重再转一遍 float32（只乘一行，转换的功夫白费大半）。4 行的 16 个累加向量放不下寄存器，编译器把几个留在
+// L1 里，乘加慢一些；放在第一组，正好与从内存读这一块的时间重叠
 template <typename W>
 void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
 #pragma omp parallel for schedule(static) if (B * n_in >= 32768)  // 很小的矩阵不值得叫醒别的线程
   for (int64_t b = 0; b < B; ++b) {
-    float acc[GROUP * BLOCK];
+    float acc[(GROUP + 1) * BLOCK];
     const W* wb = w + b * n_in * BLOCK;
-    for (int64_t m = 0; m < M; m += GROUP) {
-      int64_t g = std::min<int64_t>(M - m, GROUP);
-      if (g == 3) block_rows<W, 3>(x + m * n_in, n_in, wb, acc);
+    for (int64_t m = 0, g = 0; m < M; m += g) {
+      g = m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
+      if (g == 4) block_rows<W, 4>(x + m * n_in, n_in, wb, acc);
+      else if (g == 3) block_rows<W, 3>(x + m * n_in, n_in, wb, acc);
       else if (g == 2) block_rows<W, 2>(x + m * n_in, n_in, wb, acc);
       else block_rows<W, 1>(x + m * n_in, n_in, wb, acc);
       for (int64_t r = 0; r < g; ++r) {
