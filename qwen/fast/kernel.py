@@ -40,28 +40,28 @@ def cpu_fingerprint() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def kernel_file(cxx: str) -> Path:
-    """这台机器、这个编译器编译 SOURCES 得到的 .so 该在哪儿。"""
+def kernel_file(cxx: str, flags=FLAGS) -> Path:
+    """这台机器、这个编译器用 flags 编译 SOURCES 得到的 .so 该在哪儿。"""
     from .linear import record_file
 
-    key = "\n".join([*(s.read_text() for s in SOURCES), cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(), " ".join(FLAGS)])
+    key = "\n".join([*(s.read_text() for s in SOURCES), cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(), " ".join(flags)])
     return record_file("kernels") / f"matvec-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
 
 
-def build(cxx: str, out: Path) -> None:
-    """用 cxx 把 SOURCES 编译成 out（先写临时文件，编好了再改名）。失败时 RuntimeError 带上编译器的报错。
+def build(cxx: str, out: Path, flags=FLAGS) -> None:
+    """用 cxx（与 flags）把 SOURCES 编译成 out（先写临时文件，编好了再改名）。失败时 RuntimeError 带上编译器的报错。
     几个源文件同时编译（各编成 .o，再链接）：第一次运行少等一秒多。"""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     objs = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
     try:
-        jobs = [subprocess.Popen([cxx, "-c", str(src), "-o", obj, *FLAGS], stdout=subprocess.DEVNULL,
+        jobs = [subprocess.Popen([cxx, "-c", str(src), "-o", obj, *flags], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True) for src, obj in zip(SOURCES, objs)]
         errors = [(src, job.communicate()[1]) for src, job in zip(SOURCES, jobs)]  # 等每一个编完
         failed = [f"{src.name}：{err.strip()[-600:]}" for (src, err), job in zip(errors, jobs) if job.returncode != 0]
         if not failed:
-            done = subprocess.run([cxx, *objs, "-o", tmp, *FLAGS], capture_output=True, text=True)
+            done = subprocess.run([cxx, *objs, "-o", tmp, *flags], capture_output=True, text=True)
             failed = [] if done.returncode == 0 else [f"链接：{done.stderr.strip()[-600:]}"]
         if failed:
             raise RuntimeError(f"编译 {'、'.join(s.name for s in SOURCES)} 失败：{'；'.join(failed)}")
@@ -72,12 +72,12 @@ def build(cxx: str, out: Path) -> None:
                 os.remove(f)
 
 
-def load_or_build(out: Path, cxx: str) -> ctypes.CDLL:
+def load_or_build(out: Path, cxx: str, flags=FLAGS) -> ctypes.CDLL:
     """加载 out；没有这个文件、或它坏了（加载时 OSError）就用 cxx 重新编译一次再加载。编译或加载失败时报错。"""
     try:
         return ctypes.CDLL(str(out))
     except OSError:
-        build(cxx, out)
+        build(cxx, out, flags)
         return ctypes.CDLL(str(out))
 
 
@@ -100,6 +100,13 @@ class Kernel:
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = None
         self.matvecs = {dtype: getattr(lib, f"matvec_{name}") for dtype, name in NAMES.items()}  # 按权重的 dtype
+        lib.matvec_width.restype = lib.matvec_fma.restype = ctypes.c_int
+        self.width, self.fma = lib.matvec_width(), bool(lib.matvec_fma())  # 编出来的向量宽度（float32 个数）、有没有 FMA
+
+    @property
+    def isa(self) -> str:
+        """编进内核的向量指令，一个词：AVX-512、AVX2（8 宽、FMA）或 portable。"""
+        return "AVX-512" if self.width == 16 else "AVX2" if self.fma else "portable"
 
     def matvec(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]）→ [M, B·32]，dtype 同 x。"""
@@ -190,8 +197,12 @@ def fake_matvec(x, blocks, scales):
     return x.new_empty(x.shape[0], blocks.shape[0] * blocks.shape[2])
 
 
-def load_kernel(cxx: str) -> Kernel:
+# 测试用：在这台机器上把内核编成更窄的向量（-march=native 给的是最宽的那种）。FMA 的几种宽度逐位相同
+NARROWER = {"AVX2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+
+
+def load_kernel(cxx: str, flags=FLAGS) -> Kernel:
     """加载这台机器编好的 matvec.cpp（没有就先编译），注册算子，返回 Kernel。"""
-    kernel = Kernel(load_or_build(kernel_file(cxx), cxx))
+    kernel = Kernel(load_or_build(kernel_file(cxx, flags), cxx, flags))
     register_ops(kernel)
     return kernel

@@ -1,7 +1,8 @@
 // 附录 · 分块布局的矩阵乘几行输入：y[m, 32b + j] = Σ_i x[m, i] · w[b, i, j]（权重 w [B, in, 32]，见 linear.py 的 to_blocks）。
 //
 // 解码一步读一遍全部权重，速度的上限是内存带宽；这个内核就做这一件事：逐块顺序读权重，每读 32 个数，就乘加进每一行的
-// 32 个累加器（4 个 8 宽的向量）。几行输入共用一次读权重（验证 k 个草稿读的字节与解码一个 token 一样多）。
+// 32 个累加器（AVX-512 上 2 个 16 宽的向量，AVX2 上 4 个 8 宽的）。几行输入共用一次读权重（验证 k 个草稿读的字节与解码
+// 一个 token 一样多）。
 //
 // 每一行的求和顺序是固定的：沿输入维 i 从头到尾、每个输出一个累加器，与同时算几行、几个线程、哪个线程无关——
 // 投机解码验证的每一行与单独解码那个 token 逐位相同（第 14 章）。所以编译时不许编译器把乘、加合成 FMA
@@ -11,6 +12,8 @@
 // 传进来的是张量的数据指针。线程用 OpenMP，与 PyTorch 共用同一个 libgomp，torch.set_num_threads 对它也管用。
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,24 +29,39 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef int8_t v8b __attribute__((vector_size(8)));
 
-constexpr int BLOCK = 32;         // 每块的输出个数
-constexpr int LANES = BLOCK / 8;  // 每行 4 个累加向量
-constexpr int AHEAD = 64;         // 预取提前几个输入（bfloat16 时 64 行 × 64 字节 = 4 KB）
-constexpr int GROUP = 3;          // 一次通常乘几行：3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
+// 一个向量寄存器：有 AVX-512 时 16 个 float32（32 个 zmm 寄存器），否则 8 个（AVX2 的 16 个 ymm）。宽窄只改每条指令算几个
+// 输出：每个输出仍是自己的累加器、沿输入维从头到尾乘加，所以两种宽度的结果逐位相同
+#if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
+constexpr int WIDTH = 16;
+constexpr int GROUP = 8;  // 一次乘几行：8 行 × 2 个累加向量 + 8 个广播的输入，放得进 32 个寄存器
+#else
+typedef v8f vec;
+constexpr int WIDTH = 8;
+constexpr int GROUP = 3;  // 3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
+#endif
 
-inline v8f madd(v8f acc, v8f x, v8f w) {  // acc + x·w
-#if defined(__FMA__)
-  return (v8f)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
+constexpr int BLOCK = 32;             // 每块的输出个数
+constexpr int LANES = BLOCK / WIDTH;  // 每行几个累加向量
+constexpr int AHEAD = 64;             // 预取提前几个输入（bfloat16 时 64 行 × 64 字节 = 4 KB）
+
+inline vec madd(vec acc, vec x, vec w) {  // acc + x·w
+#if defined(__AVX512F__)
+  return (vec)_mm512_fmadd_ps((__m512)x, (__m512)w, (__m512)acc);
+#elif defined(__FMA__)
+  return (vec)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
 #else
   return acc + x * w;
 #endif
 }
 
-inline v8f broadcast(float v) {  // 8 份 v。写成 v8f{} + v 时编译器要多做一次加法（0 + (−0) 是 +0，不能省）
-#if defined(__AVX__)
-  return (v8f)_mm256_set1_ps(v);
+inline vec broadcast(float v) {  // WIDTH 份 v。写成 vec{} + v 时编译器要多做一次加法（0 + (−0) 是 +0，不能省）
+#if defined(__AVX512F__)
+  return (vec)_mm512_set1_ps(v);
+#elif defined(__AVX__)
+  return (vec)_mm256_set1_ps(v);
 #else
-  return v8f{} + v;
+  return vec{} + v;
 #endif
 }
 
@@ -60,70 +78,109 @@ inline uint16_t float_to_bf16(float f) {  // 就近舍入到偶数（与 PyTorch
   return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// 读 8 个权重，转成 float32
-inline v8f load8(const float* p) {
-  v8f v;
+// 读 WIDTH 个权重，转成 float32
+inline vec load(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v8f load8(const uint16_t* p) {  // bfloat16：补上低 16 位的 0 就是 float32
-#if defined(__AVX2__)  // 一条 vpmovzxwd 读 8 个（通用的写法 GCC 拆成两半再拼起来，一行输入时慢三成）
-  return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+inline vec load(const uint16_t* p) {  // bfloat16：补上低 16 位的 0 就是 float32
+#if defined(__AVX512F__)
+  return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif defined(__AVX2__)  // 一条 vpmovzxwd 读 8 个（通用的写法 GCC 拆成两半再拼起来，慢得多）
+  return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 #else
   v8h h;
   std::memcpy(&h, p, sizeof h);
   v8u u = __builtin_convertvector(h, v8u) << 16;
-  v8f f;
+  vec f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 #endif
 }
-inline v8f load8(const int8_t* p) {  // int8（quantize="int8"）：比例在累加完之后再乘
+inline vec load(const int8_t* p) {  // int8（quantize="int8"）：比例在累加完之后再乘
+#if defined(__AVX512F__)  // 一条 vpmovsxbd 读 16 个、带符号扩展成 int32，一条 vcvtdq2ps 转成 float32
+  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)  // 同上，8 个（通用的写法 GCC 编成逐个元素的转换，慢好几倍）
+  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
   v8b b;
   std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(__builtin_convertvector(b, v8i), v8f);
+#endif
 }
 
-// G 行输入 x [G, in] 乘一块权重 w [in, 32] → out [G, 32]
-template <typename W, int G>
+// G 行输入 x [G, in] 乘相邻的 N 块权重 w [N, in, 32] → out [N, G, 32]。一行只乘一两块时累加链太少：每个乘加要等上一个
+// 乘加（同一个累加器）的结果，几个时钟周期才出来；同时乘相邻的几块，链多了，乘加单元不必空等。每个输出仍是自己的
+// 累加器、沿输入维从头到尾乘加，同时乘几块、几行都不改变它的结果
+template <typename W, int G, int N>
 void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
-  v8f acc[G][LANES];
-  for (int g = 0; g < G; ++g)
-    for (int k = 0; k < LANES; ++k) acc[g][k] = v8f{};
+  vec acc[N][G][LANES];
+  for (int n = 0; n < N; ++n)
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
   for (int64_t i = 0; i < n_in; ++i) {
-    __builtin_prefetch(w + (i + AHEAD) * BLOCK);  // 先要后面的权重：乘加的同时内存已在送下一段（越过块尾就是下一块）
-    v8f xs[G];
-    for (int g = 0; g < G; ++g) xs[g] = broadcast(x[g * n_in + i]);  // 第 g 行的 x[i] 广播成 8 份
-    for (int k = 0; k < LANES; ++k) {
-      v8f wv = load8(w + i * BLOCK + k * 8);
-      for (int g = 0; g < G; ++g) acc[g][k] = madd(acc[g][k], xs[g], wv);
+    vec xs[G];
+    for (int g = 0; g < G; ++g) xs[g] = broadcast(x[g * n_in + i]);  // 第 g 行的 x[i] 广播成 WIDTH 份
+    for (int n = 0; n < N; ++n) {
+      const W* wn = w + n * n_in * BLOCK + i * BLOCK;
+      __builtin_prefetch(wn + AHEAD * BLOCK);  // 先要后面的权重：乘加的同时内存已在送下一段（越过块尾就是下一块）
+      for (int k = 0; k < LANES; ++k) {
+        vec wv = load(wn + k * WIDTH);
+        for (int g = 0; g < G; ++g) acc[n][g][k] = madd(acc[n][g][k], xs[g], wv);
+      }
     }
   }
   std::memcpy(out, acc, sizeof acc);
 }
 
+// 每个线程的一段连续的块里，一次乘几块、每块分几组乘几行
+template <typename W>
+using RowsFn = void (*)(const float*, int64_t, const W*, float*);
+template <typename W, int N, size_t... G>
+std::array<RowsFn<W>, sizeof...(G)> make_table(std::index_sequence<G...>) {
+  return {&block_rows<W, int(G) + 1, N>...};
+}
+template <typename W, int N>
+RowsFn<W> rows_of(int64_t g) {  // block_rows<W, g, N>
+  static const auto table = make_table<W, N>(std::make_index_sequence<GROUP + 1>{});
+  return table[g - 1];
+}
+
+// 乘 w 的第 b…b+N−1 块（N 块相邻）：行多于 GROUP 时每块分几组乘，后几组读的是刚读过、还在缓存里的那几块。AVX2 上行数
+// 除以 GROUP 余 1 时（4、7、10……行）第一组乘 4 行：不然最后一组只有 1 行，为它把权重再转一遍 float32。4 行的 16 个
+// 累加向量放不下寄存器，编译器把几个留在 L1 里，乘加慢一些；放在第一组，正好与从内存读这一块的时间重叠
+template <typename W, int N>
+void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B, int64_t b) {
+  float acc[N * (GROUP + 1) * BLOCK];
+  for (int64_t m = 0, g = 0; m < M; m += g) {
+    g = WIDTH == 8 && m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
+    rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, acc);
+    for (int n = 0; n < N; ++n)
+      for (int64_t r = 0; r < g; ++r) {
+        float* yr = y + (m + r) * B * BLOCK + (b + n) * BLOCK;
+        const float* ar = acc + (n * g + r) * BLOCK;
+        const float* sr = scales ? scales + (b + n) * BLOCK : nullptr;
+        for (int j = 0; j < BLOCK; ++j) yr[j] = sr ? ar[j] * sr[j] : ar[j];
+      }
+  }
+}
+
 // x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 的比例）。
-// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那些块。行多于 GROUP 时每块分几组乘，
-// 后几组读的是刚读过、还在缓存里的那块。行数除以 GROUP 余 1 时（4、7、10……行）第一组乘 4 行：不然最后一组只有 1 行，
-// 为它把整块权重再转一遍 float32（只乘一行，转换的功夫白费大半）。4 行的 16 个累加向量放不下寄存器，编译器把几个留在
-// L1 里，乘加慢一些；放在第一组，正好与从内存读这一块的时间重叠
+// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那一段。
 template <typename W>
 void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
+  // 一组的累加向量至多 ACC 个（其余寄存器放广播的输入与权重）：行少时一次乘相邻的 2 或 4 块
+  constexpr int ACC = WIDTH == 16 ? 16 : 8;
+  const int64_t fit = ACC / (LANES * std::min<int64_t>(M, GROUP)), N = fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+  const int64_t tiles = (B + N - 1) / N;
 #pragma omp parallel for schedule(static) if (B * n_in >= 32768)  // 很小的矩阵不值得叫醒别的线程
-  for (int64_t b = 0; b < B; ++b) {
-    float acc[(GROUP + 1) * BLOCK];
-    const W* wb = w + b * n_in * BLOCK;
-    for (int64_t m = 0, g = 0; m < M; m += g) {
-      g = m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
-      if (g == 4) block_rows<W, 4>(x + m * n_in, n_in, wb, acc);
-      else if (g == 3) block_rows<W, 3>(x + m * n_in, n_in, wb, acc);
-      else if (g == 2) block_rows<W, 2>(x + m * n_in, n_in, wb, acc);
-      else block_rows<W, 1>(x + m * n_in, n_in, wb, acc);
-      for (int64_t r = 0; r < g; ++r) {
-        float* yr = y + (m + r) * B * BLOCK + b * BLOCK;
-        for (int j = 0; j < BLOCK; ++j) yr[j] = scales ? acc[r * BLOCK + j] * scales[b * BLOCK + j] : acc[r * BLOCK + j];
-      }
-    }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t b = t * N;
+    if (N == 4 && b + 4 <= B) tile<W, 4>(x, M, n_in, w, scales, y, B, b);
+    else if (N == 2 && b + 2 <= B) tile<W, 2>(x, M, n_in, w, scales, y, B, b);
+    else
+      for (int64_t c = b; c < std::min(B, b + N); ++c) tile<W, 1>(x, M, n_in, w, scales, y, B, c);
   }
 }
 
@@ -171,6 +228,14 @@ float same(float v) { return v; }
 
 // kernel.py 用 ctypes 调用的入口：名字里是权重（源）与结果的 dtype
 extern "C" {
+int matvec_width() { return WIDTH; }  // 编出来的向量有几个 float32 宽：16（AVX-512）或 8（AVX2 及别的）
+int matvec_fma() {                   // 乘加是不是一条 FMA（不是的话先乘、舍入，再加）
+#if defined(__FMA__) || defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 void matvec_f32(const float* x, int64_t M, int64_t n_in, const float* w, const float* s, float* y, int64_t B) {
   matvec(x, M, n_in, w, s, y, B);
 }
