@@ -8,7 +8,9 @@
 - 注意力：掩码让真实 token 看不见填充位置（cache.State.valid）；
 - DeltaNet：填充位置的输入置零，零向量既不写进记忆 S，也只在卷积窗口里留下初始的 0；
 - RoPE：每行的位置从它自己的第一个真实 token 数起（State.pad）。
-于是每行的贪心输出与单独生成它时相同。每行命中停止符就停，其余行继续。
+于是每行在数学上与单独生成它时相同；浮点上填充改变了矩阵的形状与求和的长度，普通模型上只差舍入。附录的快路径
+不算填充的张量（每行照单独运行那样算），每行与单独生成逐位相同。带种子采样时每行各有一个以 seed 起头的随机数发生器：
+一行的结果与用同一个 seed 单独生成它相同。每行命中停止符就停，其余行继续。
 """
 
 import torch
@@ -38,13 +40,14 @@ def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0,
     if max_new_tokens == 0:
         return outs
     stop = stop_ids(stop)
-    gen = make_generator(seed, device)
+    gens = [make_generator(seed, device) for _ in range(B)]  # 每行一个：与单独生成时抽到同样的随机数
     state = State(model, valid)
     penalty = Penalty(prompts, model.cfg.vocab_size, repetition_penalty, presence_penalty)  # 只算真实 token，不算填充
     logits = model(ids, state, last=True)[:, -1]  # [B, V]
     done = [False] * B
     for i in range(max_new_tokens):
-        tokens = pick(penalty(logits), temperature, top_k, top_p, gen)  # [B]
+        scores = penalty(logits)  # [B, V]
+        tokens = torch.cat([pick(scores[b : b + 1], temperature, top_k, top_p, g) for b, g in enumerate(gens)])  # [B]
         for b, t in enumerate(tokens.tolist()):
             if not done[b]:
                 outs[b].append(t)

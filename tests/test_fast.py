@@ -125,24 +125,28 @@ def test_compiled_decode_does_not_recompile(compiled_model):
 
 
 
-def test_compiled_speculation_equals_greedy_without_recompiling(compiled_model, tiny_model, tiny):
+def test_compiled_speculation_equals_greedy_without_recompiling(lively):
     """compile=True 的路径：warm_up 编译好解码、验证 1～4 个草稿、草稿头送进 1～5 对的各张图，并量出起草的代价；
-    之后投机解码（固定 k 与自动挑 k）与普通布局的贪心逐 token 相同，并且不再编译任何图。"""
+    之后投机解码（固定 k 与自动挑 k）与普通模型的贪心逐 token 相同，并且不再编译任何图。lively 的贪心续写多样
+    （tiny 的总在重复一两个 token，相同说明不了什么）。"""
     from torch._dynamo.utils import counters
 
     from qwen.fast import FastMTP, warm_up
     from qwen.mtp import MTP, speculate
     from qwen.sample import generate
 
-    mtp = MTP.from_pretrained(compiled_model.cfg, tiny[0], dtype=torch.float32, draft_vocab=300, compile=True)
+    model = Model.from_pretrained(lively[0], dtype=torch.float32, compile=True)
+    plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
+    mtp = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, draft_vocab=300, compile=True)
     assert isinstance(mtp, FastMTP) and mtp.step is not None
-    warm_up(compiled_model, mtp)
+    warm_up(model, mtp)
     assert mtp.draft_cost < 10
     before = counters["stats"]["unique_graphs"]
     for T, k in ((9, 1), (40, 2), (12, 3), (30, 4), (70, None)):
         ids = prompt(512, T, seed=700 + T)
-        r = speculate(compiled_model, mtp, ids, 30, draft_tokens=k)
-        assert r.tokens == generate(tiny_model, ids, 30) and r.drafted > 0
+        r = speculate(model, mtp, ids, 30, draft_tokens=k)
+        want = generate(plain, ids, 30)
+        assert r.tokens == want and r.drafted > 0 and len(set(want)) >= 10
     assert counters["stats"]["unique_graphs"] == before
 
 
@@ -188,7 +192,10 @@ def test_long_prompt_is_fed_in_pieces(tiny_model, request, which, tol):
 
 
 
-def test_bfloat16_greedy_agrees_with_float32(widths08b):
+def test_bfloat16_logits_stay_close_to_float32(widths08b):
+    """bfloat16 的打包模型（0.8B 的宽度）对 float32 的普通模型：64 个 token 的 logits 相对误差 ‖Δ‖/‖logits‖ 在 bfloat16
+    舍入的量级（量出来约 2%，界 4%）；DeltaNet 的记忆 S 与 A_log 仍是 float32。（这个检查点上 float32 的 argmax 几乎总是
+    输入的那个 token，比 argmax 是否一致说明不了什么，所以比 logits。）"""
     path, _ = widths08b
     m32 = Model.from_pretrained(path, dtype=torch.float32, pack=False)
     m16 = Model.from_pretrained(path, dtype=torch.bfloat16, compile=False)
@@ -197,13 +204,10 @@ def test_bfloat16_greedy_agrees_with_float32(widths08b):
     ids = prompt(m32.cfg.vocab_size, 64, seed=3)
     state = State(m16)
     with torch.no_grad():
-        a = m32(ids).argmax(-1)
-        b = m16(ids, state).argmax(-1)
+        a = m32(ids)
+        b = m16(ids, state)
     assert all(s.S.dtype == torch.float32 for s in state.layers if hasattr(s, "S"))
-    agree = (a == b).float().mean().item()
-    assert agree >= 0.95, agree
-
-
+    assert ((a - b).norm() / a.norm()).item() <= 0.04
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

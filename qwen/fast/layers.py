@@ -25,6 +25,7 @@ from ..mlp import MLP
 from ..norm import RMSNorm, rms
 from ..model import Model
 from .linear import fast_linear
+from .padded import PaddedRows
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
 VERIFY_ROWS = max(DECODE_LENGTHS)  # 不多于这么多个 token 时逐个位置地算（DeltaNet 递推、注意力逐个查询）：与解码逐位相同
@@ -214,9 +215,9 @@ def row_by_row(fn, *xs, dim: int = -2):
     return tuple(torch.cat(parts, dim=-2) for parts in zip(*rows))
 
 
-class PackedModel(Model):
+class PackedModel(PaddedRows, Model):
     """换了布局（打包；分块的 FastModel 是它的子类）的模型：解码、验证几个 token 时 RoPE 表逐个位置地算（见 row_by_row），
-    其余照第 10 章。"""
+    左填充的批处理每行照它单独运行那样算（padded.py），其余照第 10 章。"""
 
     def rope(self, positions):
         return row_by_row(super().rope, positions, dim=-1)  # 位置 [..., T] → cos、sin [..., T, rotary_dim]
