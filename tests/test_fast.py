@@ -2,6 +2,7 @@
 
 import platform
 import time
+import warnings
 
 import pytest
 import torch
@@ -151,24 +152,48 @@ def test_compiled_speculation_equals_greedy_without_recompiling(lively):
 
 
 def test_compiler_check_is_cached_on_disk(tiny, tmp_path, monkeypatch):
-    """compile=None（默认）时先问 can_compile：第一次真的试着编译，结果记在 $XDG_CACHE_HOME/qwen/compiler.json，
-    之后不再试；编译不了就用 oneDNN 打包的布局，不报错。"""
+    """compile=None（默认）时先问 can_compile：第一次真的试着编译；失败时在标准错误上说为什么、退回什么（一个
+    RuntimeWarning），并按要编的东西（源码、编译器、CPU 的指纹）记在 $XDG_CACHE_HOME/qwen/compiler.json，之后不再试，
+    用 oneDNN 打包的布局。源码变了（比如装上了原先缺的内核文件）就重新试；记录坏了也重新试。"""
+    import qwen.fast.kernel as kernel
     import qwen.fast.linear as linear
 
     tries = []
 
     def broken(cxx=None):
         tries.append(cxx)
-        raise RuntimeError("no compiler")
+        raise RuntimeError("编译 norm.cpp 失败：没有这个文件")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(linear, "load_matvec", broken)
-    assert not linear.can_compile() and not linear.can_compile() and len(tries) == 1
-    assert "false" in (tmp_path / "qwen" / "compiler.json").read_text()
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="退回 oneDNN.*norm.cpp"):
+        assert not linear.can_compile()
+    with pytest.warns(RuntimeWarning, match="norm.cpp.*compiler.json"):
+        assert not linear.can_compile()
+    assert len(tries) == 1 and "norm.cpp" in (tmp_path / "qwen" / "compiler.json").read_text()
+    with pytest.warns(RuntimeWarning):
+        model = Model.from_pretrained(tiny[0], dtype=torch.float32)
     assert isinstance(model.lm_head, PackedLinear) and len(tries) == 1
+    (tmp_path / "fixed.cpp").write_text("// 装好了的源码\n")
+    monkeypatch.setattr(kernel, "SOURCES", [*kernel.SOURCES, tmp_path / "fixed.cpp"])
+    with pytest.warns(RuntimeWarning):
+        assert not linear.can_compile() and len(tries) == 2  # 源码换了：重新试
     (tmp_path / "qwen" / "compiler.json").write_text("{不是 JSON")  # 坏的记录：重新试
-    assert not linear.can_compile() and len(tries) == 2
+    with pytest.warns(RuntimeWarning):
+        assert not linear.can_compile() and len(tries) == 3
+
+
+def test_unwritable_cache_still_gets_the_kernel(tiny, tmp_path, monkeypatch):
+    """缓存的文件夹写不了（XDG_CACHE_HOME 指向一个文件：root 也建不了里面的文件夹）：内核编进临时文件夹，默认照样是
+    分块布局的快模型，不悄悄退回 oneDNN。"""
+    from qwen.fast.step import FastModel
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 不该退回，也就不该警告
+        model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    assert isinstance(model, FastModel)
 
 
 @pytest.mark.parametrize("which,tol", [("tiny_model", 1e-4), ("compiled_model", 1e-3)])

@@ -50,7 +50,7 @@ def kernel_file(cxx: str, flags=FLAGS) -> Path:
 
 def build(cxx: str, out: Path, flags=FLAGS) -> None:
     """用 cxx（与 flags）把 SOURCES 编译成 out（先写临时文件，编好了再改名）。失败时 RuntimeError 带上编译器的报错。
-    几个源文件同时编译（各编成 .o，再链接）：第一次运行少等一秒多。"""
+    几个源文件同时编译（各编成 .o，再链接）。"""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -202,7 +202,13 @@ NARROWER = {"AVX2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", 
 
 
 def load_kernel(cxx: str, flags=FLAGS) -> Kernel:
-    """加载这台机器编好的 matvec.cpp（没有就先编译），注册算子，返回 Kernel。"""
-    kernel = Kernel(load_or_build(kernel_file(cxx, flags), cxx, flags))
+    """加载这台机器编好的 matvec.cpp（没有就先编译），注册算子，返回 Kernel。缓存的文件夹写不了（只读的 XDG_CACHE_HOME）
+    时编进一个临时文件夹：这次照样用 C++ 内核，只是下次还要再编一次。"""
+    out = kernel_file(cxx, flags)
+    try:
+        lib = load_or_build(out, cxx, flags)
+    except OSError:
+        lib = load_or_build(Path(tempfile.mkdtemp(prefix="qwen-kernel-")) / out.name, cxx, flags)
+    kernel = Kernel(lib)
     register_ops(kernel)
     return kernel

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -158,21 +159,35 @@ RECORD_LOCK = threading.Lock()  # 只在没有 fcntl 的系统上用
 
 
 def can_compile() -> bool:
-    """from_pretrained 默认（compile=None）用不用分块布局：这台机器有 C++ 编译器、编得出并加载得了 matvec.cpp 才用
-    （第一次编译一两秒，之后从缓存加载）。编不了的结果按编译器（路径、修改时间）记在 record_file("compiler.json") 里，
-    之后加载不再试，用打包的布局；装上或换了编译器，记录对不上，就重新试一次。"""
+    """from_pretrained 默认（compile=None）用不用分块布局：这台机器有 C++ 编译器、编得出并加载得了内核才用（第一次编译
+    几秒，之后从缓存加载）。编不了时在标准错误上说一次什么失败了、退回什么（warnings，每个进程一次），并把失败按要编的
+    东西记在 record_file("compiler.json") 里——键是内核文件名里的指纹（源码、编译器、CPU、编译选项），之后加载不再试；
+    源码（比如装上了缺的文件）、编译器或 CPU 换了，键就对不上，重新试一次。"""
+    from .kernel import kernel_file
+
     cxx = find_compiler()
     if cxx is None:
-        return False
-    key = f"{cxx} · {os.stat(cxx).st_mtime_ns}"
-    if read_record("compiler.json", key) is False:
-        return False
+        return fall_back("这台机器没有 C++ 编译器（g++、c++、clang++，或环境变量 CXX）")
+    try:
+        key = kernel_file(cxx).name
+    except OSError as e:  # 内核的源码不在（装得不完整）
+        return fall_back(f"读不了内核的源码：{e}")
+    recorded = read_record("compiler.json", key)
+    if isinstance(recorded, str):
+        return fall_back(f"{recorded}（记在 {record_file('compiler.json')}，删掉它就重新试）")
     try:
         load_matvec(cxx)
         return True
-    except RuntimeError:
-        write_record("compiler.json", key, False)
-        return False
+    except RuntimeError as e:
+        write_record("compiler.json", key, str(e))
+        return fall_back(str(e))
+
+
+def fall_back(reason: str) -> bool:
+    """默认路径用不了 C++ 内核：说一次为什么、代价是什么，返回 False（用 oneDNN 打包的布局）。"""
+    warnings.warn(f"qwen：用不了 C++ 内核，退回 oneDNN 打包的布局——解码更慢，int8 量化与服务时共用读权重都没有了"
+                  f"（见 docs/performance.md）。原因：{reason}", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def quantize_int8(weight, kernel, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
