@@ -4,6 +4,8 @@ python -m qwen compile [--model …]：提前把用得着的都编译好（C++ �
 python -m qwen serve [--model …]：OpenAI 兼容的 HTTP 服务（附录 qwen/serve）。"""
 
 import argparse
+import math
+import os
 import sys
 import time
 
@@ -18,16 +20,22 @@ from .weights import find_model
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
-def number(kind, low, high=None, low_open=False):
-    """argparse 的 type：把参数转成 kind，不在 [low, high]（low_open 时 (low, high]）里就是一行清楚的错误。"""
+SEED = (-2**63, 2**63 - 1)  # torch.Generator.manual_seed 收 64 位的整数；与服务的 seed 一样取有符号的范围
+
+
+def number(kind, low=None, high=None, low_open=False):
+    """argparse 的 type：把参数转成 kind，不在 [low, high]（low_open 时 (low, high]）里、或不是有限的数（inf、nan）
+    就是一行清楚的错误。"""
     def parse(text):
         try:
             x = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"要{'整数' if kind is int else '数'}，收到 {text!r}") from None
-        if x < low or (low_open and x == low) or (high is not None and x > high):
-            where = f"{'(' if low_open else '['}{low}, {'∞)' if high is None else f'{high}]'}"
-            raise argparse.ArgumentTypeError(f"要在 {where} 里，收到 {text}")
+        if kind is float and not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"要有限的数，收到 {text}")
+        if (low is not None and (x < low or (low_open and x == low))) or (high is not None and x > high):
+            left = "(-∞" if low is None else f"{'(' if low_open else '['}{low}"
+            raise argparse.ArgumentTypeError(f"要在 {left}, {'∞)' if high is None else f'{high}]'} 里，收到 {text}")
         return x
     return parse
 
@@ -42,8 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=number(int, 1), default=None)
     p.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=None)
     p.add_argument("--repetition-penalty", type=number(float, 0, low_open=True), default=None, help="出现过的 token 的 logit 除以它（1 为不罚）")
-    p.add_argument("--presence-penalty", type=float, default=None, help="生成过的 token 的 logit 减去它（0 为不罚）")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=number(float), default=None, help="生成过的 token 的 logit 减去它（0 为不罚）")
+    p.add_argument("--seed", type=number(int, *SEED), default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
     p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
@@ -96,33 +104,52 @@ def prepare(argv) -> None:
         print(f"默认路径上多起草一个 token 的代价：一步的 {head.draft_cost:.0%}（{seconds:.1f} 秒）", file=sys.stderr)
 
 
-def serve_main(argv) -> None:
-    """python -m qwen serve：OpenAI 兼容的服务（附录 qwen/serve）。"""
+def serve_arguments(argv):
     p = argparse.ArgumentParser(prog="python -m qwen serve", description="OpenAI 兼容的 HTTP 服务：连续批处理、MTP、留下的对话")
     p.add_argument("--model", default=None, help="检查点文件夹或 demo（默认同 python -m qwen）")
     p.add_argument("--host", default="127.0.0.1", help="监听的地址（默认只有本机能连）")
     p.add_argument("--port", type=number(int, 1, 65535), default=8000)
-    p.add_argument("--api-key", default=None, help="要求请求带 Authorization: Bearer <KEY>")
+    p.add_argument("--api-key", default=os.environ.get("QWEN_API_KEY") or None,
+                   help="要求请求带 Authorization: Bearer <KEY>（默认取环境变量 QWEN_API_KEY：不必写在命令行里）")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="URL",
+                   help="放行这个网页来源（如 http://localhost:3000）的请求并回 CORS 头；可以重复或用逗号隔开，* 是全部")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="另外接受的 Host 名（反向代理、局域网里的主机名）；可以重复或用逗号隔开，* 是全部")
     p.add_argument("--served-model-name", default=None, help="/v1/models 里的名字（默认取检查点文件夹的名字）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--quantize", choices=["int8"], default=None, help="矩阵存成 int8（同 python -m qwen --quantize）")
     p.add_argument("--slots", type=number(int, 1), default=8, help="同时生成的请求数，多出来的排队")
     p.add_argument("--cache-mb", type=number(int, 0), default=512, help="留下的对话状态至多占多少 MB")
     p.add_argument("--max-tokens", type=number(int, 1), default=4096, help="一个请求的 max_tokens 上限")
     p.add_argument("--no-mtp", action="store_true", help="不用草稿头")
     args = p.parse_args(argv)
+    args.allow_origin = [o.strip() for item in args.allow_origin for o in item.split(",") if o.strip()]
+    args.allow_host = [h.strip() for item in args.allow_host for h in item.split(",") if h.strip()]
+    return args
+
+
+def serve_main(argv) -> None:
+    """python -m qwen serve：OpenAI 兼容的服务（附录 qwen/serve）。"""
+    args = serve_arguments(argv)
     try:
-        from .serve.api import serve
+        import fastapi  # noqa: F401  服务要的两个包：先查，别等到监听时才报 ModuleNotFoundError
+        import uvicorn  # noqa: F401
     except ImportError as e:
-        sys.exit(f"错误：服务要 FastAPI 与 uvicorn（{e.name} 没装）：pip install -e \".[serve]\"")
+        sys.exit(f"错误：服务要 FastAPI 与 uvicorn（{e.name} 没装）：pip install \"qwen[serve]\"，"
+                 f"在仓库里是 pip install -e \".[serve]\"")
+    from .serve.api import serve
+
     try:
         path = find_model(args.model)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"错误：{e}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"（监听 {args.host}：别的机器也能连上来，建议用 --api-key 或 QWEN_API_KEY 要求 key）", file=sys.stderr)
 
     def load():
         from .serve.engine import Engine
 
-        model = Model.from_pretrained(path, dtype=DTYPES.get(args.dtype))
+        model = Model.from_pretrained(path, dtype=DTYPES.get(args.dtype), quantize=args.quantize)
         mtp = None if args.no_mtp else Conversation(Chat(model)).mtp
         if mtp is not None:
             warm_up(model, mtp, calibrate="recorded")
@@ -130,7 +157,7 @@ def serve_main(argv) -> None:
         return Engine(model, mtp, slots=args.slots, cache_mb=args.cache_mb)
 
     serve(load, args.served_model_name or model_name(path), args.host, args.port, args.api_key,
-          max_tokens=args.max_tokens)
+          max_tokens=args.max_tokens, allow_hosts=args.allow_host, allow_origins=args.allow_origin)
 
 
 def model_name(path) -> str:
