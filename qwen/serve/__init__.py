@@ -2,12 +2,12 @@
 
 - rows.py：几个请求的同一层一次算完（连续批处理），每个请求的输出与它单独运行时逐位相同；
 - engine.py：引擎。一个请求一个线程，跑单个请求的代码；留下的对话状态按 token 前缀给之后的请求接着用；
-- api.py：HTTP 层（FastAPI）。请求 ↔ token，流式的 SSE，OpenAI 的错误体。
+- api.py：HTTP 层（FastAPI）。请求 ↔ token，流式的 SSE，OpenAI 的错误体；坏的请求、走掉的客户端、别的网站的网页都伤不到它。
 
     python -m qwen serve --model demo        # 然后：curl http://127.0.0.1:8000/v1/chat/completions ...
 """
 
-from .engine import Engine, Request
+from .engine import Closed, Engine, Request
 from .rows import RowBatcher, share_rows
 
-__all__ = ["Engine", "Request", "RowBatcher", "share_rows"]
+__all__ = ["Closed", "Engine", "Request", "RowBatcher", "share_rows"]
