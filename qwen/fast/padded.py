@@ -42,6 +42,8 @@ def padded_hidden(model, ids, state) -> torch.Tensor:
     real = state.extend_valid(T)[:, state.pos :]  # [B, T]：这次的 T 个位置里哪些是真实 token（左填充：总在末尾）
     state.pos += T
     todo = [(b, ids[b : b + 1, T - int(n) :]) for b, n in enumerate(real.sum(1).tolist()) if n]
+    if not todo:
+        raise ValueError("左填充的 valid 里这几个位置全是填充：每个提示词至少要有一个真实 token")
     outs = hidden_many(model, [(x, state.rows[b]) for b, x in todo])
     h = outs[0].new_zeros(B, T, outs[0].shape[-1])
     for (b, x), out in zip(todo, outs):
