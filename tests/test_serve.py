@@ -508,7 +508,7 @@ def test_chunked_body_over_the_limit_is_refused_while_it_is_read(served):
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                   b"transfer-encoding: chunked\r\n\r\n")
         piece = b"x" * 65536
-        for _ in range(server.max_body // len(piece) + 2):
+        for _ in range(server.max_body // len(piece) + 1):  # 刚过上限
             s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
         assert s.recv(64).startswith(b"HTTP/1.1 413")
 
@@ -614,7 +614,7 @@ def test_disconnected_requests_free_running_and_queued_slots(served, endless):
     for s in running:
         s.close()
     assert wait_until(lambda: idle(engine), 30)
-    assert all(r.finish_reason == "cancelled" and 0 < len(r.tokens) < LONG for r in endless[:engine.slots])
+    assert all(r.finish_reason == "cancelled" and len(r.tokens) < LONG for r in endless[:engine.slots])
     assert ask(client, "你好", max_tokens=8).usage.completion_tokens == 8
 
 
