@@ -68,16 +68,25 @@ def draft_vocab(text: str):
     return int(text)
 
 
+def at_least(low: int):
+    """argparse 的 type：不小于 low 的整数，否则一行清楚的错误（不是深处的 traceback）。"""
+    def parse(text):
+        if not text.lstrip("-").isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"要不小于 {low} 的整数，收到 {text!r}")
+        return int(text)
+    return parse
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="检查点文件夹（默认 find_model()）")
     p.add_argument("--prompt", action="append", default=[], help="再加一个提示词（可重复）")
-    p.add_argument("--max-new-tokens", type=int, default=120)
-    p.add_argument("--draft-tokens", type=int, default=None, help="每轮起草几个 token（默认按接受率自动挑）")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=120)
+    p.add_argument("--draft-tokens", type=at_least(1), default=None, help="每轮起草几个 token（默认按接受率自动挑）")
     p.add_argument("--draft-vocab", type=draft_vocab, default="auto",
                    help="起草时给哪些 token 打分：auto（默认，见 qwen/vocab.py）、all（全词表）或 n（前 n 个 id）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=at_least(1), default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="--compile：解码一步再用 torch.compile 编译成图（第一次要几分钟）；--no-compile：oneDNN 打包的布局；"
                         "默认：能编译 C++ 就用分块布局与 C++ 的 matvec")

@@ -91,10 +91,8 @@ class TextStream:
     """把逐个到来的 token 变成能安全打印的文字片段：新文字 = decode(ids[prefix:]) 减去 decode(ids[prefix:read])。"""
 
     def __init__(self, tk):
-        self.tk = tk
-        self.ids = []  # 到来的全部 token
-        self.prefix = 0  # 只解码从这里起的 token：每步的代价与回答多长无关
-        self.read = 0  # prefix..read 已经输出过
+        self.tk, self.ids = tk, []  # 到来的全部 token
+        self.prefix = self.read = 0  # 只解码从 prefix 起的（每步的代价与回答多长无关）；prefix..read 已经输出过
 
     def put(self, token: int) -> str:
         self.ids.append(token)
@@ -115,13 +113,15 @@ class TextStream:
 class Chat:
     def __init__(self, model, path=None, mtp=True):
         """mtp：回答时用不用第 14 章的投机解码（True：检查点有草稿头就用；False：不用；或直接给一个 MTP）。"""
-        self.model = model
-        self.mtp = mtp
+        self.model, self.mtp = model, mtp
         self.path = path = Path(path if path is not None else getattr(model, "path", "."))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path} 里没有 tokenizer.json：对话需要检查点自带的分词器文件")
         self.conversation = None  # 附录的 Conversation：第一次 reply 时建
-        self.tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:  # 不是 JSON、不是分词器的文件：说出是哪个文件
+            self.tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:
+            raise ValueError(f"{path / 'tokenizer.json'} 读不了（{e}）：文件可能被截断或改坏了，请重新下载它") from None
         self.stop = [i for i in (self.tk.token_to_id("<|im_end|>"), self.tk.token_to_id("<|endoftext|>")) if i is not None]
         # 有对话模板的检查点按 ChatML 组织提示词；没有的（比如只学过代码的 demo 模型）提示词原样喂给它续写
         config = path / "tokenizer_config.json"
@@ -136,9 +136,9 @@ class Chat:
 
     def encode(self, text: str) -> torch.Tensor:
         """文字 → [1, T] 的 id 张量（特殊记号如 <|im_start|> 按一个 token 识别）。"""
+        if not isinstance(text, str) or not text or any("\ud800" <= c <= "\udfff" for c in text):
+            raise ValueError(f"提示词应是非空、合法的 Unicode 文字（str，不含单独的代理字符 U+D800–U+DFFF），收到 {text!r:.60}")
         ids = self.tk.encode(text, add_special_tokens=False).ids
-        if not ids:
-            raise ValueError("提示词是空的")
         return torch.tensor([ids])
 
     def decode(self, ids) -> str:

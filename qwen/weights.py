@@ -1,14 +1,12 @@
 """第 1 章 · 权重：配置、找到检查点、安全地读取张量。
 
-一个 Hugging Face 检查点就是一个文件夹：`config.json` 描述模型的形状，
-`*.safetensors` 装着张量（大模型切成几个分片，由 `model.safetensors.index.json`
-记录每个张量在哪个分片里）。Qwen3.5 发布的是多模态包装：语言模型的配置嵌在
-`text_config` 里，张量名以 `model.language_model.` 开头，旁边还有视觉塔
-`model.visual.*`（我们不读）和 MTP 草稿头 `mtp.*`（第 14 章用）。
+一个 Hugging Face 检查点就是一个文件夹：`config.json` 描述模型的形状，`*.safetensors` 装着张量（大模型切成几个分片，
+由 `model.safetensors.index.json` 记录每个张量在哪个分片里）。Qwen3.5 发布的是多模态包装：语言模型的配置嵌在 `text_config`
+里，张量名以 `model.language_model.` 开头，旁边还有视觉塔 `model.visual.*`（我们不读）和 MTP 草稿头 `mtp.*`（第 14 章用）。
 
 safetensors 可以“按名字懒读取”：只打开文件头，要哪个张量才从磁盘映射进来，所以以 bfloat16 加载时不会出现 float32 副本。
-我们只用 safetensors：`torch.load` 会执行 pickle 里的任意代码，不能拿来读别人给的文件。
-坏的输入（缺文件、截断的文件、写错的配置、别的模型的检查点）都要给出说得清的错误。
+我们只用 safetensors：`torch.load` 会执行 pickle 里的任意代码，不能拿来读别人给的文件。坏的输入（缺文件、截断的文件、
+写错的配置、别的模型的检查点）都要给出说得清的错误：说出是哪个文件、哪个字段，该怎么办。
 """
 
 from __future__ import annotations
@@ -61,7 +59,9 @@ class Config:
             v = getattr(self, f.name)
             if not isinstance(v, kinds[f.type]) or (isinstance(v, bool) and f.type != "bool"):
                 raise ValueError(f"config.json 的 {f.name} 应为 {f.type}，收到 {v!r}（{type(v).__name__}）")
-            if f.type == "int" and v < 0 or f.type == "float" and v <= 0:
+            low = 0 if f.name == "mtp_num_hidden_layers" else 1  # 个数与大小至少为 1：0 会在 torch 深处除以零
+            high = 1 if f.name == "partial_rotary_factor" else float("inf")  # 浮点数为正、有限；旋转的比例不超过 1
+            if f.type == "int" and v < low or f.type == "float" and not (0 < v <= high and v < float("inf")):
                 raise ValueError(f"config.json 的 {f.name} 不能是 {v!r}")
         if not self.layer_types:
             self.layer_types = ["full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
@@ -82,9 +82,11 @@ class Config:
         if model_type not in MODEL_TYPES:
             raise ValueError(f"这不是 Qwen3.5 的检查点：config.json 的 model_type 是 {model_type!r}，"
                              f"需要 {' 或 '.join(repr(t) for t in MODEL_TYPES)}")
-        text = dict(d.get("text_config") or d)
-        text.setdefault("tie_word_embeddings", d.get("tie_word_embeddings"))  # 多模态包装把它写在顶层
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}  # 新版写在 rope_parameters 里
+        text = d.get("text_config") or d
+        rope = (text.get("rope_parameters") or text.get("rope_scaling") or {}) if isinstance(text, dict) else None
+        if not isinstance(rope, dict):  # 新版的 rope_theta、partial_rotary_factor 写在 rope_parameters 里
+            raise ValueError(f"{'rope_parameters' if isinstance(text, dict) else 'text_config'} 应是 {{字段: 值}} 的对象")
+        text = {"tie_word_embeddings": d.get("tie_word_embeddings"), **text}  # 多模态包装把它写在顶层
         text.update({k: rope[k] for k in ("rope_theta", "partial_rotary_factor") if k in rope and k not in text})
         eos = text.get("eos_token_id", d.get("eos_token_id"))
         text["eos_token_id"] = eos[0] if isinstance(eos, list) and eos else eos
@@ -96,11 +98,10 @@ def load_config(path: str | os.PathLike) -> Config:
     """读取文件夹里的 config.json。"""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"{path} 里没有 config.json：这不是一个 Hugging Face 检查点文件夹。"
-                                f"请指向含 config.json 与 *.safetensors 的文件夹（例如 {REPO_ID} 的本地副本）。")
+        raise FileNotFoundError(f"{path} 里没有 config.json：请指向含 config.json 与 *.safetensors 的检查点文件夹（如 {REPO_ID} 的本地副本）")
     try:
         return Config.from_dict(json.loads(file.read_text(encoding="utf-8")))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file} 不是合法的 JSON（{e}）：文件可能被截断或改坏了，请重新下载或修正它") from None
     except ValueError as e:  # 配置本身不对（别的模型、写错的字段）：带上文件名
         raise ValueError(f"{file}：{e}") from None
@@ -121,9 +122,8 @@ def find_model(path: str | os.PathLike | None = None) -> Path:
             return Path(snapshot_download(REPO_ID, allow_patterns=NEEDED_FILES, local_files_only=local))
         except Exception as e:
             error = e
-    raise FileNotFoundError(
-        f"找不到模型 {REPO_ID}：本地 Hugging Face 缓存里没有，下载也失败了（{type(error).__name__}）。"
-        f"离线时请把检查点文件夹传给 path 参数或 --model，或设置环境变量 QWEN_MODEL=/path/to/Qwen3.5-0.8B。")
+    raise FileNotFoundError(f"找不到模型 {REPO_ID}：本地 Hugging Face 缓存里没有，下载也失败了（{type(error).__name__}）。"
+                            f"离线时请把检查点文件夹传给 path 参数或 --model，或设置环境变量 QWEN_MODEL=/path/to/Qwen3.5-0.8B。")
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -131,8 +131,11 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
+        try:  # 不是 JSON、没有 weight_map、它不是 {张量名: 分片文件名}
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            missing = [s for s in shards if not (path / s).is_file()]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} 不是有效的分片索引（{type(e).__name__}: {e}）：应是含 weight_map 的 JSON，请重新下载它") from None
         if missing:
             raise FileNotFoundError(f"{path} 的分片索引提到的文件不存在：{', '.join(missing)}")
         return [path / s for s in shards]
@@ -140,8 +143,7 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     if files:
         return files
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
-        raise ValueError(f"{path} 里只有 .bin/.pt（pickle）格式的权重。本项目只读 safetensors："
-                         "pickle 文件可以执行任意代码。请使用 safetensors 格式的检查点。")
+        raise ValueError(f"{path} 里只有 .bin/.pt（pickle）格式的权重：pickle 能执行任意代码，本项目只读 safetensors，请换用这种格式")
     raise FileNotFoundError(f"{path} 里没有 *.safetensors 权重文件")
 
 
@@ -155,10 +157,8 @@ def open_safetensors(file: Path):
 
 def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dtype | None = None, read=None) -> dict:
     """读出检查点的一个部分，去掉前缀后返回 {名字: 张量}（每个用 read_tensor 读；附录传自己的 read，先只读形状）。
-
     part="model." 取文本模型（lm_head.weight 若存在也一并返回），part="mtp." 取草稿头。dtype 给定时矩阵转成 dtype；
-    其余的浮点张量（norm 权重、A_log、dt_bias、卷积核）用 float32：它们很小，却直接决定数值精度。
-    """
+    其余的浮点张量（norm 权重、A_log、dt_bias、卷积核）用 float32：它们很小，却直接决定数值精度。"""
     prefixes = ("model.language_model.", "model.") if part == "model." else (part,)  # 多模态包装里文本模型的前缀
     out = {}
     for file in safetensors_files(path):
@@ -181,9 +181,9 @@ def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tenso
     """读一个张量到自己的内存里（safetensors 给的是文件映射的视图，读过的页都算进常驻内存）：单独打开、转换或拷出、关掉。"""
     with open_safetensors(file) as f:
         t = f.get_tensor(name)
-        out = t  # 整数原样
-        if t.is_floating_point():  # 矩阵用 dtype，其余（范数、A_log 等）用 float32
-            out = t.to(dtype or t.dtype) if t.ndim == 2 else t.float()
+        if not t.is_floating_point():
+            raise ValueError(f"{file} 里的 {name} 是 {t.dtype}：权重应是浮点张量（BF16、F16 或 F32）")
+        out = t.to(dtype or t.dtype) if t.ndim == 2 else t.float()  # 矩阵用 dtype，其余（范数、A_log 等）用 float32
         return out.clone() if out.data_ptr() == t.data_ptr() else out
 
 

@@ -229,3 +229,35 @@ def test_ids_that_are_not_integers(small, ids, message):
     if not isinstance(ids, str) and len(ids[0]) == 2 and len(ids[-1]) == 2:  # 批处理的每个提示词同样检查
         with pytest.raises(ValueError, match="整数 token id"):
             generate_batch(small, list(ids), 3)
+
+
+@pytest.mark.parametrize("text", ["{不是 JSON", '{"metadata": {}}', '{"weight_map": ["a"]}'])
+def test_bad_shard_index_names_the_file(tiny, tmp_path, text):
+    """model.safetensors.index.json 不是 JSON、没有 weight_map、weight_map 不是 {张量名: 分片}：ValueError 说出是哪个文件。"""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny[0], ck)
+    (ck / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.*weight_map"):
+        Model.from_pretrained(ck, dtype=torch.float32, pack=False)
+
+
+def test_bad_tokenizer_and_text_are_clear_errors(tiny, tmp_path):
+    """tokenizer.json 不是 JSON：ValueError 说出文件；单独的代理字符（不是合法的 Unicode）：ValueError，不是分词器深处的 TypeError。"""
+    from qwen import Chat
+
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)
+    with pytest.raises(ValueError, match="代理字符"):
+        Chat(model).encode("你好\ud800")
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny[0], ck)
+    (ck / "tokenizer.json").write_text("{不是 JSON")
+    with pytest.raises(ValueError, match=r"tokenizer\.json 读不了"):
+        Chat(model, ck)
+
+
+@pytest.mark.parametrize("args", [["--max-new-tokens", "-5"], ["--draft-tokens", "0"], ["--threads", "-1"]])
+def test_chapter_script_checks_its_arguments(args):
+    """ch14_mtp.py 的数值参数在 argparse 里检查：一行错误说出是哪个参数，不是 traceback。"""
+    done = subprocess.run([sys.executable, "ch14_mtp.py", *args], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 2 and f"argument {args[0]}" in done.stderr and "Traceback" not in done.stderr
