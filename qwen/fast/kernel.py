@@ -2,7 +2,7 @@
 RMSNorm（norm.cpp），编译一次，用 ctypes 调用。
 
 解码的矩阵乘法只有 1～5 行输入，时间都花在读权重上；matvec.cpp 是一个几十行的循环，逐块顺序读权重、乘加进每行的
-累加器，每一行的求和顺序固定（验证的行与解码的行逐位相同，第 14 章）。它不包含 torch 的头文件，一两秒就编译完；
+累加器，每一行的求和顺序固定（验证的行与解码的行逐位相同，第 14 章）。它不包含 torch 的头文件，编译很快；
 Kernel 用 ctypes 把张量的数据指针交给它（调用时放开 GIL）。整步编译的图（step.py）里它是算子 torch.ops.qwen_fast.matvec
 （register_ops：图把它当外部调用）。加载权重时换布局、量化成 int8 也在这里（to_blocks、quantize_int8），一遍读完。
 deltanet.cpp 把 DeltaNet 层解码时的二三十个小运算合成一次调用（layers.py 的 FastDeltaNet.step），norm.cpp 把 RMSNorm 的
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .records import record_file
+
 SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp")]  # 编进同一个 .so
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
@@ -42,8 +44,6 @@ def cpu_fingerprint() -> str:
 
 def kernel_file(cxx: str, flags=FLAGS) -> Path:
     """这台机器、这个编译器用 flags 编译 SOURCES 得到的 .so 该在哪儿。"""
-    from .linear import record_file
-
     key = "\n".join([*(s.read_text() for s in SOURCES), cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(), " ".join(flags)])
     return record_file("kernels") / f"matvec-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
 

@@ -14,17 +14,16 @@
 所有布局只影响速度，输出只差浮点舍入。性能数字见 docs/performance.md。
 """
 
-import json
 import os
 import shutil
-import threading
 import warnings
-from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import kernel as kernels
+from .records import read_record, record_file, write_record  # 也从这里导出（qwen.fast、测试从 .linear 引用它们）
 
 PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
 BLOCK = 32  # 分块布局每块的输出个数
@@ -81,12 +80,10 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | 
 
 
 def load_matvec(cxx: str | None = None):
-    """加载（第一次在这台机器上先编译，一两秒）C++ 的 matvec，返回 kernel.Kernel；BlockedLinear 有它才用分块布局。
+    """加载（第一次在这台机器上先编译，之后从缓存读）C++ 的 matvec，返回 kernel.Kernel；BlockedLinear 有它才用分块布局。
     cxx：C++ 编译器，默认 find_compiler() 找到的那个。失败时 RuntimeError 说明原因与办法。"""
-    from .kernel import load_kernel
-
     try:
-        return load_kernel(cxx or find_compiler())
+        return kernels.load_kernel(cxx or find_compiler())
     except Exception as e:
         raise RuntimeError(
             f"compile=True 要用这台机器的 C++ 编译器（g++ 或 clang）编译 qwen/fast/matvec.cpp 并加载，但失败了："
@@ -96,7 +93,7 @@ def load_matvec(cxx: str | None = None):
 
 def find_compiler() -> str | None:
     """这台机器的 C++ 编译器的完整路径（环境变量 CXX，否则 g++、c++、clang++ 里先找到的）；没有时 None。
-    不问 inductor：导入它要好几秒，而默认路径根本用不到它。"""
+    不问 inductor：导入它很慢，而默认路径根本用不到它。"""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         path = shutil.which(name) if name else None
         if path:
@@ -104,72 +101,16 @@ def find_compiler() -> str | None:
     return None
 
 
-def record_file(name: str) -> Path:
-    """记在磁盘上的测量结果（能不能编译、起草的代价）：$XDG_CACHE_HOME/qwen/<name>（默认 ~/.cache/qwen/）。"""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwen" / name
-
-
-def read_record(name: str, key: str):
-    """record_file(name) 里 key 对应的值；没有记录、记录坏了或 key 对不上时 None。"""
-    return read_json(record_file(name)).get(key)
-
-
-def write_record(name: str, key: str, value) -> None:
-    """把 key → value 加进 record_file(name)；写不了（只读的家目录）就算了，下次再测一遍。
-    几个进程或线程同时写时：读、改、写这三步在一把文件锁里做，新内容先写进临时文件再整个换上去（os.replace），
-    所以谁也不会读到写了一半的文件，谁加的 key 也不会被别人的旧内容盖掉。"""
-    file = record_file(name)
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        with locked(file.with_name(file.name + ".lock")):
-            record = read_json(file)
-            tmp = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(record | {key: value}, ensure_ascii=False, indent=1))
-            os.replace(tmp, file)
-    except OSError:
-        pass
-
-
-def read_json(file: Path) -> dict:
-    try:
-        record = json.loads(file.read_text())
-        return record if isinstance(record, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-@contextmanager
-def locked(lock_file: Path):
-    """独占一把文件锁（fcntl.flock；没有它的系统上退成进程内的锁）。"""
-    try:
-        import fcntl
-    except ImportError:
-        with RECORD_LOCK:
-            yield
-        return
-    with open(lock_file, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-RECORD_LOCK = threading.Lock()  # 只在没有 fcntl 的系统上用
-
-
 def can_compile() -> bool:
-    """from_pretrained 默认（compile=None）用不用分块布局：这台机器有 C++ 编译器、编得出并加载得了内核才用（第一次编译
-    几秒，之后从缓存加载）。编不了时在标准错误上说一次什么失败了、退回什么（warnings，每个进程一次），并把失败按要编的
+    """from_pretrained 默认（compile=None）用不用分块布局：这台机器有 C++ 编译器、编得出并加载得了内核才用（第一次编译，
+    之后从缓存加载）。编不了时在标准错误上说一次什么失败了、退回什么（warnings，每个进程一次），并把失败按要编的
     东西记在 record_file("compiler.json") 里——键是内核文件名里的指纹（源码、编译器、CPU、编译选项），之后加载不再试；
     源码（比如装上了缺的文件）、编译器或 CPU 换了，键就对不上，重新试一次。"""
-    from .kernel import kernel_file
-
     cxx = find_compiler()
     if cxx is None:
         return fall_back("这台机器没有 C++ 编译器（g++、c++、clang++，或环境变量 CXX）")
     try:
-        key = kernel_file(cxx).name
+        key = kernels.kernel_file(cxx).name
     except OSError as e:  # 内核的源码不在（装得不完整）
         return fall_back(f"读不了内核的源码：{e}")
     recorded = read_record("compiler.json", key)
@@ -221,8 +162,8 @@ class BlockedLinear(nn.Module):
             self.scales = None
         self.kernel, self.bias = kernel, bias
         # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear。两种情形总用 C++ 的（见 docs/performance.md）：CPU 没有 bfloat16
-        # 指令时 PyTorch 的 bfloat16 矩阵乘法极慢（48 行、7168 × 1024：1.3 s 对 C++ 的 13 ms）；块的 dtype 与模型的不同
-        # （float32 的模型、bfloat16 或 int8 的块）时每次拼回都要把整个矩阵转一遍 dtype，256 行以内都不如 C++ 的
+        # 指令时 oneDNN 不接手，PyTorch 自带的 bfloat16 矩阵乘法比 C++ 的 matvec 慢得多；块的 dtype 与模型的不同
+        # （float32 的模型、bfloat16 或 int8 的块）时每次拼回都要把整个矩阵转一遍 dtype，这一遍抵掉了 F.linear 省下的
         fast_gemm = self.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
         self.kernel_rows = KERNEL_ROWS if fast_gemm and self.blocks.dtype == self.dtype else float("inf")
 

@@ -8,7 +8,7 @@
 // 投机解码验证的每一行与单独解码那个 token 逐位相同（第 14 章）。所以编译时不许编译器把乘、加合成 FMA
 // （-ffp-contract=off），要 FMA 就在代码里明写（madd），每一行都一样。
 //
-// 不包含 torch 的头文件（那要编译半分钟）：kernel.py 用这台机器的 C++ 编译器编译一次（一两秒），用 ctypes 调用，
+// 不包含 torch 的头文件（那些头文件很大，编译要久得多）：kernel.py 用这台机器的 C++ 编译器编译一次，用 ctypes 调用，
 // 传进来的是张量的数据指针。线程用 OpenMP，与 PyTorch 共用同一个 libgomp，torch.set_num_threads 对它也管用。
 
 #include <algorithm>
@@ -101,7 +101,7 @@ inline vec load(const uint16_t* p) {  // bfloat16：补上低 16 位的 0 就是
 inline vec load(const int8_t* p) {  // int8（quantize="int8"）：比例在累加完之后再乘
 #if defined(__AVX512F__)  // 一条 vpmovsxbd 读 16 个、带符号扩展成 int32，一条 vcvtdq2ps 转成 float32
   return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)  // 同上，8 个（通用的写法 GCC 编成逐个元素的转换，慢好几倍）
+#elif defined(__AVX2__)  // 同上，8 个（通用的写法 GCC 编成逐个元素的转换，慢得多）
   return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 #else
   v8b b;

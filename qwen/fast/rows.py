@@ -54,7 +54,7 @@ def materialize(root: nn.Module, path, part: str, prefix: str = "", raw: bool = 
     """把 root（检查点里 part 那一部分：part="model." 或 "mtp."）里名字以 prefix 开头、还在 meta 设备上的参数从检查点
     读出来（dtype 与 meta 张量相同；raw 时矩阵保持文件里的 dtype，是文件映射的视图，换分块布局时 C++ 的 to_blocks
     读一遍就丢掉）。加载时快路径只读了形状（meta_tensor）；变换前一层一层地读，内存里同时只有一层的原始权重。
-    每个文件只打开一次（一层有十几个小张量，每个都打开一次文件要好几毫秒）。"""
+    每个文件只打开一次（一层有十几个小张量，每个都打开一次文件，就要各付一次打开文件、读文件头的开销）。"""
     with ExitStack() as files:
         opened = {}
         for name, param in list(root.named_parameters(remove_duplicate=False)):
