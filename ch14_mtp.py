@@ -18,9 +18,8 @@ import torch
 
 from qwen.cache import State, copy_state, keep_history
 from qwen.chat import Chat
-from qwen.model import Model
-from qwen.fast import is_compiled, layout, num_params, same_layout, warm_up
-from qwen.mtp import MTP, speculate
+from qwen.fast import DTYPES, LAYOUTS, describe, load, num_params, warm_up
+from qwen.mtp import speculate
 from qwen.sample import generate
 
 PROMPTS = ["用一句话介绍一下 Transformer。", "写一段 200 字的短文，介绍长江。"]
@@ -30,7 +29,6 @@ CODE_PROMPTS = [
     "class Stack:\n    \"\"\"A simple last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
     "import os\n\n\ndef walk_files(root):\n    \"\"\"Yield the path of every file below root.\"\"\"\n",
 ]
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def highlight(chat, result, color: bool) -> str:
@@ -87,21 +85,23 @@ def main(argv=None):
                    help="起草时给哪些 token 打分：auto（默认，见 qwen/vocab.py）、all（全词表）或 n（前 n 个 id）")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=at_least(1), default=None)
+    p.add_argument("--layout", choices=["auto", *LAYOUTS], default="auto",
+                   help="矩阵的布局（qwen.fast.LAYOUTS）：auto（默认：能编译 C++ 就是 blocked）、plain、packed、blocked、graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="--compile：解码一步再用 torch.compile 编译成图（第一次要几分钟）；--no-compile：oneDNN 打包的布局；"
-                        "默认：能编译 C++ 就用分块布局与 C++ 的 matvec")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="主模型与草稿头的矩阵存成 int8（编译的路径上）")
+                   help="旧的写法：--compile 即 --layout graphs，--no-compile 即 --layout packed")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="主模型与草稿头的矩阵存成 int8（分块布局上）")
     args = p.parse_args(argv)
+    if args.compile is not None:
+        args.layout = "graphs" if args.compile else "packed"
     if args.threads:
         torch.set_num_threads(args.threads)
 
     try:
-        model = Model.from_pretrained(args.model, dtype=DTYPES.get(args.dtype), compile=args.compile,
-                                      quantize=args.quantize)
-        mtp = MTP.from_pretrained(model.cfg, model.path, dtype=model.dtype, draft_vocab=args.draft_vocab,
-                                  compile=same_layout(model), quantize=args.quantize)
+        model, mtp = load(args.model, args.layout, args.quantize, DTYPES.get(args.dtype), draft_vocab=args.draft_vocab)
+        if mtp is None:
+            raise ValueError(f"检查点 {model.path} 里没有 mtp.* 张量：它没有 MTP 草稿头，不能做投机解码")
         chat = Chat(model)
-        if is_compiled(model):
+        if model.layout == "graphs":
             print("编译解码与投机解码用的图（第一次在这台机器上要几十秒，之后从磁盘缓存读）……", flush=True)
         print(f"预热与校准用了 {warm_up(model, mtp, calibrate=not args.draft_tokens):.1f} 秒\n")
     except (FileNotFoundError, ValueError, RuntimeError) as e:
@@ -110,14 +110,13 @@ def main(argv=None):
     print(f"MTP 草稿头：{num_params(mtp) / 1e6:.2f}M 参数（与主模型共用嵌入；起草只乘输出头里起草词表的那几行）")
     for name, module in mtp.named_children():
         print(f"  {name}: {num_params(module) / 1e6:.2f}M")
-    print(f"起草词表：{mtp.draft_note}")
+    print(f"起草词表：{getattr(mtp, 'draft_note', '全词表')}")
     if args.draft_tokens:
         how = f"固定 {args.draft_tokens} 个"
     else:
         how = (f"自动（按接受率挑 0～4 个；刚才量得这台机器上每多起草一个 token 一轮多花一步的 {mtp.draft_cost:.0%}，"
                "接受率低于它时不起草）")
-    path = layout(model) + ("，int8 的矩阵" if args.quantize else "")
-    print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{path}，"
+    print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{describe(model)}，"
           f"每轮起草：{how}\n")
 
     color = sys.stdout.isatty()

@@ -16,14 +16,14 @@
 import torch
 
 from .cache import State
-from .sample import Penalty, check_sampling, make_generator, pick, stop_ids
+from .sample import Penalty, Sampling, pick, stop_ids
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0, top_k=None, top_p=None, seed=None,
-                   repetition_penalty=1.0, presence_penalty=0.0):
+def generate_batch(model, prompts, max_new_tokens=100, stop=(), sampling: Sampling | None = None, **settings):
     """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。每行各罚各的重复。"""
-    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty)
+    s = Sampling.of(sampling, **settings)
+    Sampling.check("max_new_tokens", max_new_tokens)
     if not len(prompts):
         raise ValueError("prompts 不能为空，每个提示词至少要有一个 token")
     prompts = [model.check_ids(p, None).flatten() for p in prompts]  # 每个提示词照常检查（空的、非整数的都报错）
@@ -40,14 +40,14 @@ def generate_batch(model, prompts, max_new_tokens=100, stop=(), temperature=0.0,
     if max_new_tokens == 0:
         return outs
     stop = stop_ids(stop)
-    gens = [make_generator(seed, device) for _ in range(B)]  # 每行一个：与单独生成时抽到同样的随机数
+    gens = [s.generator(device) for _ in range(B)]  # 每行一个：与单独生成时抽到同样的随机数
     state = State(model, valid)
-    penalty = Penalty(prompts, model.cfg.vocab_size, repetition_penalty, presence_penalty)  # 只算真实 token，不算填充
+    penalty = Penalty(prompts, model.cfg.vocab_size, s)  # 只算真实 token，不算填充
     logits = model(ids, state, last=True)[:, -1]  # [B, V]
     done = [False] * B
     for i in range(max_new_tokens):
         scores = penalty(logits)  # [B, V]
-        tokens = torch.cat([pick(scores[b : b + 1], temperature, top_k, top_p, g) for b, g in enumerate(gens)])  # [B]
+        tokens = torch.cat([pick(scores[b : b + 1], s.temperature, s.top_k, s.top_p, g) for b, g in enumerate(gens)])  # [B]
         for b, t in enumerate(tokens.tolist()):
             if not done[b]:
                 outs[b].append(t)

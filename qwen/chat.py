@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from .sample import Sampling, stream
+
 ROLES = ("system", "user", "assistant", "tool")
 # 有工具时系统轮的开头：发布的模板里的英文原文，{tools} 处每行一个工具的 JSON
 TOOLS_PROMPT = (Path(__file__).parent / "tools_prompt.txt").read_text(encoding="utf-8")
@@ -111,13 +113,12 @@ class TextStream:
 
 
 class Chat:
-    def __init__(self, model, path=None, mtp=True):
-        """mtp：回答时用不用第 14 章的投机解码（True：检查点有草稿头就用；False：不用；或直接给一个 MTP）。"""
-        self.model, self.mtp = model, mtp
+    def __init__(self, model, path=None):
+        """path：检查点文件夹（分词器与对话模板在里面），默认是加载 model 的那个。"""
+        self.model = model
         self.path = path = Path(path if path is not None else getattr(model, "path", "."))
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path} 里没有 tokenizer.json：对话需要检查点自带的分词器文件")
-        self.conversation = None  # 附录的 Conversation：第一次 reply 时建
         try:  # 不是 JSON、不是分词器的文件：说出是哪个文件
             self.tk = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as e:
@@ -152,9 +153,8 @@ class Chat:
             yield from filter(None, [out.put(t)])  # 还是半个字符时这一步什么也不产出
         yield from filter(None, [out.flush()])
 
-    def reply(self, messages, enable_thinking=False, max_new_tokens=512, **sampling):
-        """流式产出助手的回答（文字片段）。不重读历史、草稿头、采样默认值：附录 conversation.py（各次 reply 共用一个）。"""
-        if self.conversation is None:
-            from .conversation import Conversation  # 附录
-            self.conversation = Conversation(self, self.mtp)
-        return self.conversation.reply(messages, enable_thinking, max_new_tokens, **sampling)
+    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling: Sampling | None = None,
+              **settings):
+        """流式产出回答的文字片段，每次从头读整段对话（复用读过的历史、投机解码、推荐的采样：附录的 Conversation）。"""
+        ids = self.encode(self.prompt(messages, enable_thinking, tools))
+        return self.stream_text(stream(self.model, ids, max_new_tokens, self.stop, sampling, **settings))

@@ -1,6 +1,6 @@
 """附录 · 逐块对照 transformers：改了模型之后，哪一层开始不对？
 
-最后的 logits 对不上时，只知道“错了”。本工具把同一段提示词同时喂给我们的普通模型（各章的 pack=False 模型）和
+最后的 logits 对不上时，只知道“错了”。本工具把同一段提示词同时喂给我们的普通模型（各章的普通模型，Model.from_pretrained）和
 transformers 的 Qwen3.5（读同一个检查点），在两边的每一块（嵌入、每个解码层、最后的 norm）上各挂一个前向钩子，
 记下它输出的隐藏状态（残差流），再逐块比较。错误会沿着残差流往后传，所以后面的块全都不对并不说明什么：
 要找的是第一个不对的块，错误就在它里面（或它读的权重里）。思路来自 rasbt 的 LLMs-from-scratch 里 Qwen3.5
@@ -206,7 +206,7 @@ def random_checkpoint(path) -> Path:
 
 def plain_model(path: Path) -> Model:
     """用各章的加载器读出我们的普通模型（float32）：要对照的正是课程里的那个模型，不是附录的快路径。"""
-    return Model.from_pretrained(path, dtype=torch.float32, pack=False).eval()
+    return Model.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def run(path: Path, prompt: str | None, tokens: int, tol: float) -> int:

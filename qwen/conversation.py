@@ -13,18 +13,19 @@
 import json
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from .attention import AttentionState
 from .cache import State, copy_state
 from .chat import build_prompt
-from .mtp import MTP, SpecResult, stream_mtp
-from .sample import check_sampling, stream
+from .fast import load_draft
+from .mtp import Drafter, SpecResult, stream_mtp
+from .sample import Sampling, stream
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty")  # 检查点能推荐的几项
 
 
 def generation_defaults(path) -> dict:
@@ -41,37 +42,74 @@ def generation_defaults(path) -> dict:
         return {}
     out = {"temperature": 1.0, "top_k": 50} | {k: d[k] for k in SAMPLING_KEYS if d.get(k) is not None}
     try:
-        check_sampling(**out)
+        Sampling(**out)
     except ValueError as e:
         raise ValueError(f"{file}：{e}") from None
     return out
 
 
-def load_draft_head(model, path):
-    """检查点有 mtp.* 时读出草稿头（与主模型同样的布局），没有时返回 None。"""
-    from .fast import same_layout  # 草稿头要与主模型同样的布局
+@dataclass
+class Resume:
+    """读到某处的一份状态，从这里接着生成（多轮对话留下的、服务的前缀缓存里的）。tokens：已读过的 token；state：主模型
+    读过它们之后的状态；drafter：草稿头这一边（第 14 章的 Drafter：读过它们的缓存，待送最后一个位置的 h；没有草稿头时 None）。"""
+    tokens: list
+    state: State
+    drafter: Drafter | None = None
 
-    try:
-        head = model.lm_head
-        return MTP.from_pretrained(model.cfg, path, dtype=model.dtype, pack=not isinstance(head, nn.Linear),
-                                   compile=same_layout(model),
-                                   quantize="int8" if getattr(head, "scales", None) is not None else None)
-    except ValueError as e:
-        if "没有 mtp.*" in str(e):
-            return None
-        raise
+    @classmethod
+    def start(cls, model) -> "Resume":
+        return cls([], State(model))
+
+    def copy(self) -> "Resume":
+        """生成时状态就地往前走：留着的那份先复制一份再用。"""
+        d = self.drafter
+        return Resume(list(self.tokens), copy_state(self.state),
+                      d and Drafter(copy_state(d.cache), d.hidden, d.tokens, d.start))
+
+    def feed(self, model, mtp, tokens: list) -> "Resume":
+        """接着读 tokens（就地往前走）：主模型读；有草稿头时它顺手读这一段的 (h_t, e_{t+1}) 对（最后一对等下一个 token）。"""
+        ids = torch.tensor([tokens])
+        h = model.hidden(ids, self.state)  # [1, n, h]
+        if mtp is not None:
+            d = self.drafter or Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
+            pairs_h = torch.cat([d.hidden, h[:, :-1]], 1)  # 从头读：第一对是 (h_0, e_1)；接着读：上次最后一个位置的 h
+            pairs_e = torch.cat([d.tokens, ids if self.drafter else ids[:, 1:]], 1)
+            if pairs_e.shape[1]:
+                mtp(model.embed_tokens(pairs_e), pairs_h, d.start, d.cache)
+            self.drafter = Drafter(d.cache, h[:, -1:], ids[:, :0], d.start + pairs_e.shape[1])
+        self.tokens = self.tokens + list(tokens)
+        return self
+
+    def generate(self, model, mtp, tokens: list, max_new_tokens: int, stop, sampling: Sampling, result=None, **more):
+        """读新来的 tokens 并生成（就地往前走）：有草稿头时投机解码（第 14 章），否则普通解码（第 12 章）→ token 的迭代器。"""
+        history = self.tokens
+        if mtp is None:
+            return stream(model, [tokens], max_new_tokens, stop, sampling, state=self.state, history=history)
+        rounds = stream_mtp(model, mtp, [tokens], max_new_tokens, stop, sampling, result=result, state=self.state,
+                            drafter=self.drafter, history=history, **more)
+        return (t for emitted in rounds for t in emitted)
+
+
+def cut_point(chat, messages, tools, tokens) -> int | None:
+    """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板时 None（不复用）。"""
+    if not chat.templated:
+        return None
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+    prefix = chat.encode(build_prompt(messages[: last + 1], tools=tools, add_generation_prompt=False))[0].tolist()
+    return len(prefix) if tokens[: len(prefix)] == prefix else None
 
 
 class Conversation:
-    """对话的状态：留下的那一份（读到某个用户问题末尾的状态），以及上一轮的统计。
+    """对话的状态：留下的那一份（读到某个用户问题末尾的 Resume），以及上一轮的统计。
 
-    chat 是第 13 章的 Chat；mtp=True 时检查点有草稿头就用（False：普通解码；也可以直接给一个 MTP）。"""
+    chat 是第 13 章的 Chat；mtp=True 时检查点有草稿头就用（与主模型同样的布局，qwen.fast.load_draft；False：普通解码；
+    也可以直接给一个 MTP）。"""
 
     def __init__(self, chat, mtp=True):
         self.chat, self.model = chat, chat.model
-        self.mtp = load_draft_head(chat.model, chat.path) if mtp is True else (mtp or None)
+        self.mtp = load_draft(chat.model, chat.path) if mtp is True else (mtp or None)
         self.defaults = generation_defaults(chat.path)
-        self.saved = None  # (token 列表, State, 草稿头的 AttentionState, 最后一个位置的隐藏状态 [1, 1, h])
+        self.saved: Resume | None = None
         self.fed = 0  # 上一轮主模型实际读了提示词的几个 token
         self.stats = None  # 上一轮：dict(tokens, seconds, drafted, hits)
         self.busy = threading.Lock()  # 一个回答在生成时拿着：同一个对话不能同时生成两个回答
@@ -80,44 +118,38 @@ class Conversation:
         """丢掉留下的状态：下一轮从头读。"""
         self.saved = None
 
-    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, seed=None, **sampling):
-        """对一组消息流式产出助手的回答（文字片段）。sampling：temperature、top_k、top_p、repetition_penalty、
-        presence_penalty，没给（或 None）的取检查点的默认值。上一个回答的生成器还没读完（也没关掉）时报错：
-        留下的状态与统计属于一个对话，几个并发的对话请各用自己的 Conversation。"""
+    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, **settings):
+        """对一组消息流式产出助手的回答（文字片段）。sampling（Sampling）或 settings（temperature、top_k、top_p、
+        repetition_penalty、presence_penalty、seed）：没给（或 None）的取检查点的默认值。上一个回答的生成器还没读完
+        （也没关掉）时报错：留下的状态与统计属于一个对话，几个并发的对话请各用自己的 Conversation。"""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError("这个 Conversation 的上一个回答还没生成完（生成器没读完也没关掉）：并发的对话请各用自己的 "
                                "Conversation")
         try:
-            yield from self.answer(messages, enable_thinking, max_new_tokens, tools, seed, **sampling)
+            yield from self.answer(messages, enable_thinking, max_new_tokens, tools, sampling, settings)
         finally:
             self.busy.release()
 
-    def answer(self, messages, enable_thinking, max_new_tokens, tools, seed, **sampling):
-        unknown = set(sampling) - set(SAMPLING_KEYS)
-        if unknown:
-            raise ValueError(f"未知的采样参数 {', '.join(sorted(unknown))}：可用的有 {', '.join(SAMPLING_KEYS)}")
-        sampling = self.defaults | {k: v for k, v in sampling.items() if v is not None}
-        check_sampling(max_new_tokens, **sampling)
+    def sampling(self, sampling, settings) -> Sampling:
+        """采样设置：给了 Sampling 就用它，否则检查点的默认值；settings 里不是 None 的几项覆盖它们。"""
+        return Sampling.of(sampling or Sampling(**self.defaults), **{k: v for k, v in settings.items() if v is not None})
+
+    def answer(self, messages, enable_thinking, max_new_tokens, tools, sampling, settings):
+        s = self.sampling(sampling, settings)
+        Sampling.check("max_new_tokens", max_new_tokens)
         chat, model = self.chat, self.model
         tokens = chat.encode(chat.prompt(messages, enable_thinking, tools))[0].tolist()
-        cut = self.cut_point(messages, tools, tokens)
+        cut = cut_point(chat, messages, tools, tokens)
         t0 = time.perf_counter()
         with torch.inference_mode():  # 只包住这一段：生成器在 yield 之间不替调用方开着 inference_mode
-            state, mtp_state, hidden, start = self.resume(tokens, cut)
+            resume = self.resume(tokens, cut)
+            start = len(resume.tokens)
             if cut is not None and cut > start:  # 读到最后一个用户问题的末尾，留下一份
-                hidden = self.feed(tokens, start, cut, state, mtp_state, hidden)
-                self.saved = (tokens[:cut], copy_state(state), copy_state(mtp_state) if self.mtp else None, hidden)
-        begin = start if cut is None else max(cut, start)
+                self.saved = resume.feed(model, self.mtp, tokens[start:cut]).copy()
+        begin = len(resume.tokens)
         self.fed = len(tokens) - start
-        if self.mtp is not None:  # stream_mtp、stream 每产出一步前自己进入 inference_mode
-            r = SpecResult()
-            rounds = stream_mtp(model, self.mtp, [tokens[begin:]], max_new_tokens, chat.stop, None, seed=seed,
-                                result=r, state=state, mtp_state=mtp_state, hidden=hidden, history=tokens[:begin],
-                                **sampling)
-            out = (t for emitted in rounds for t in emitted)
-        else:
-            r, out = None, stream(model, [tokens[begin:]], max_new_tokens, chat.stop, seed=seed, state=state,
-                                  history=tokens[:begin], **sampling)
+        r = SpecResult() if self.mtp is not None else None  # stream_mtp、stream 每产出一步前自己进入 inference_mode
+        out = resume.generate(model, self.mtp, tokens[begin:], max_new_tokens, chat.stop, s, result=r)
         counted = []
 
         def counting(tokens):
@@ -129,36 +161,10 @@ class Conversation:
         self.stats = dict(tokens=len(counted), seconds=time.perf_counter() - t0,  # drafted、hits：用了草稿头时才有
                           drafted=r.drafted if r else None, hits=r.hits if r else None)
 
-    def cut_point(self, messages, tools, tokens):
-        """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板时 None（不复用）。"""
-        if not self.chat.templated:
-            return None
-        last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-        prefix = self.chat.encode(build_prompt(messages[: last + 1], tools=tools, add_generation_prompt=False))[0].tolist()
-        return len(prefix) if tokens[: len(prefix)] == prefix else None
-
-    def resume(self, tokens, cut):
-        """从留下的那份接着（token 对得上时），否则从头：返回 (State, 草稿头的缓存, 隐藏状态, 已读到的位置)。"""
+    def resume(self, tokens, cut) -> Resume:
+        """从留下的那份接着（token 对得上时，复制一份），否则从头。"""
         if self.saved is not None and cut is not None:
-            kept, state, mtp_state, hidden = self.saved
+            kept = self.saved.tokens
             if len(kept) <= cut and tokens[: len(kept)] == kept:
-                return copy_state(state), copy_state(mtp_state) if self.mtp else None, hidden, len(kept)
-        return State(self.model), AttentionState() if self.mtp is not None else None, None, 0
-
-    def feed(self, tokens, start, end, state, mtp_state, hidden):
-        return feed(self.model, self.mtp, tokens, start, end, state, mtp_state, hidden)
-
-
-def feed(model, mtp, tokens, start, end, state, mtp_state, hidden):
-    """主模型读 tokens[start:end]；有草稿头时它顺手读这一段的 (h_t, e_{t+1}) 对（最后一对要等下一个 token）。
-    hidden：上次读到的最后一个位置的隐藏状态（从头读时 None）。返回这次最后一个位置的隐藏状态 [1, 1, h]。"""
-    ids = torch.tensor([tokens[start:end]])
-    h = model.hidden(ids, state)  # [1, n, h]
-    if mtp is not None:
-        if hidden is None:  # 从头读：第一对是 (h_0, e_1)
-            pairs_h, pairs_e, first = h[:, :-1], ids[:, 1:], 0
-        else:  # 接着读：第一对是上次最后一个位置的 (h_{start-1}, e_start)
-            pairs_h, pairs_e, first = torch.cat([hidden, h[:, :-1]], 1), ids, start - 1
-        if pairs_e.shape[1]:
-            mtp(model.embed_tokens(pairs_e), pairs_h, first, mtp_state)
-    return h[:, -1:]
+                return self.saved.copy()
+        return Resume.start(self.model)

@@ -10,7 +10,8 @@ lm_head 与 embed_tokens 共用一个矩阵，给词表里每个词打分。
 state 为 None 时是无缓存的一次性前向（训练与测试用）。
 
 加载：先在 meta 设备上搭出模型骨架（不分配内存），读出检查点张量、核对名字与形状，
-再用 load_state_dict(assign=True) 把张量直接“装”进去，内存里始终只有一份权重。
+再用 load_state_dict(assign=True) 把张量直接“装”进去，内存里始终只有一份权重。附录 qwen.fast.load 用同一个
+load_pretrained 先只读形状，再一层一层地读出权重、换成 CPU 上快的布局（像 gpt-fast 的 _load_model）。
 """
 
 import torch
@@ -102,46 +103,33 @@ class Model(nn.Module):
         return self.lm_head(h).float()
 
     @classmethod
-    def from_pretrained(cls, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        compile: bool | None = None, quantize: str | None = None) -> "Model":
-        """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载。
-
-        pack=False 时就是本章的普通模型（nn.Linear、nn.Parameter），dtype 默认 float32，可以训练、修改权重。
-        默认再交给附录 qwen.fast 变换一遍，dtype 默认 bfloat16（CPU 支持时）：这台机器能编译 C++ 时（compile=None，
-        只试一次、记在磁盘上）换成 torch.compile 编译的布局，否则 oneDNN 打包的布局；compile=True、False 强制其一。
-        变换只影响速度与内存，输出只差浮点舍入。quantize="int8"（编译的布局上）再把矩阵存成 int8：读的字节少一半，
-        输出只差量化误差。
-        """
+    def from_pretrained(cls, path=None, dtype: torch.dtype = torch.float32, **old) -> "Model":
+        """从检查点文件夹（或 find_model 找到的 Qwen3.5-0.8B）加载本章的普通模型：nn.Linear、nn.Parameter，可以训练、
+        修改权重。CPU 上快的布局（oneDNN 打包、C++ 的 matvec、int8）是附录的变换：model, mtp = qwen.fast.load(path)。"""
         path = find_model(path)
-        with torch.device("meta"):
-            model = cls(load_config(path))  # 只有形状，没有内存
-        model.path = path
-        return load_pretrained(model, path, "model.", dtype, pack, compile, "文本模型", quantize)
+        return load_pretrained(cls, load_config(path), path, "model.", dtype, "文本模型", old)
 
 
-def load_pretrained(module: nn.Module, path, part: str, dtype, pack: bool, compile, what: str, quantize=None):
-    """读出检查点的一部分（第 1 章），核对名字与形状，用 load_state_dict(assign=True) 把张量直接装进 meta 设备上的
-    骨架；pack 或 compile 时再交给附录 qwen.fast 变换。Model 与第 14 章的 MTP 草稿头都这样加载。"""
-    fast = None
-    if quantize and not pack:
-        raise ValueError(f"quantize={quantize!r} 是附录快路径的变换：pack=False 的普通模型不量化")
-    if pack or compile:
-        from . import fast  # 附录：CPU 上的快路径（只在这里用到，章节不依赖它）
-    # 快路径先只读形状（meta 张量），变换时一层一层读出真的权重：内存里不必同时有整个模型的原始权重
-    if dtype is None:
-        dtype = fast.preferred_dtype() if fast else torch.float32
-    read = fast.meta_tensor if fast else None
+def load_pretrained(cls, cfg, path, part: str, dtype, what: str, old=None, read=None) -> nn.Module:
+    """在 meta 设备上搭出 cls(cfg) 的骨架（只有形状，没有内存），读出检查点的 part 部分（第 1 章），核对名字与形状，
+    用 load_state_dict(assign=True) 把张量直接装进去。Model 与第 14 章的 MTP 都这样加载；read 是附录用的：先只读形状。"""
+    if old:  # 旧版的 pack、compile、quantize：说清楚换成了什么，而不是默默忽略
+        raise ValueError(f"from_pretrained 不再收 {', '.join(old)}：它只加载本章的普通模型；快的布局与量化请用附录的 "
+                         "qwen.fast.load(path, layout=..., quantize=...)")
+    path = find_model(path)
+    with torch.device("meta"):
+        module = cls(cfg)
+    module.path = path
     sd = load_weights(path, part, dtype, read)
     if not sd:
         raise ValueError(f"检查点 {path} 里没有 {part}* 张量：它没有{what}")
-    tied = part == "model." and module.cfg.tie_word_embeddings  # 共用嵌入：检查点里没有 lm_head.weight
+    tied = part == "model." and cfg.tie_word_embeddings  # 共用嵌入：检查点里没有 lm_head.weight
     if tied:
         sd.pop("lm_head.weight", None)
     expected = {k: v.shape for k, v in module.state_dict().items() if not (tied and k == "lm_head.weight")}
     check_state_dict(expected, sd, f"检查点 {path} 的{what}")
     module.load_state_dict(sd, strict=not tied, assign=True)
-    del sd  # 此后只有模型引用这些张量：变换时每换掉一个矩阵，旧的那份立刻释放
+    del sd  # 此后只有模型引用这些张量（附录变换时每换掉一个矩阵，旧的那份立刻释放）
     if tied:
         module.lm_head.weight = module.embed_tokens.weight  # assign 之后重新绑定：共用一个参数
-    module.eval()
-    return fast.speedup(module, path, compile=compile, quantize=quantize) if fast else module
+    return module.eval()

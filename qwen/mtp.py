@@ -1,16 +1,12 @@
 """第 14 章 · MTP 草稿头与投机解码。
 
-检查点里的 `mtp.*` 是一层“草稿头”（多 token 预测：Gloeckle 等 2024；DeepSeek-V3 的 MTP 模块）：由主模型在位置 t 的
-隐藏状态 h_t（最后一次 norm 之后）和 token t+1 的嵌入预测 token t+2：
+`mtp.*` 是一层“草稿头”（多 token 预测：Gloeckle 等 2024；DeepSeek-V3），由主模型在位置 t 的隐藏状态 h_t 和 e_{t+1} 预测 t+2：
     x = fc([pre_fc_norm_embedding(e_{t+1}), pre_fc_norm_hidden(h_t)]) → 一个门控全注意力层 → norm → 共用的 lm_head
 投机解码（Leviathan 等 2023；Chen 等 2023）：草稿头便宜地猜出 d₁…d_k，主模型把 [last, d₁, …, d_k] 一次前向验证（CPU 上
-解码的时间几乎都花在读权重上，验证 k+1 个与算 1 个差不多贵），收下一致的前缀再加一个自己的 token：贪心时输出不变。
-采样时用拒绝采样：x ~ q 以 min(1, p(x)/q(x)) 接受，拒绝时从 normalize(max(0, p − q)) 重抽，分布不变。
-
-回滚是难点：被拒绝的草稿已经改过每个 DeltaNet 层的记忆 S 和卷积窗口，它们无法“减掉”一个 token。
-- 简单的做法（第 11 章的 snapshot / rollback）：验证前存档，有拒绝时回退，再把收下的 token 重新喂一遍；
-- 我们的做法（第 11 章的 keep_history / commit，思路与 vLLM、SGLang 相同）：验证的前向顺手记下每个位置之后的 S（或重建它
-  要的量），提交时由第 7 章的 state_after 取出最后一个被接受的位置之后的那份；卷积窗口从完整输入里切出，KV 缓存截断。
+读权重最花时间，验证 k+1 个与算 1 个差不多贵），收下一致的前缀再加一个自己的 token：贪心时输出不变。采样时用拒绝采样：
+x ~ q 以 min(1, p(x)/q(x)) 接受，拒绝时从 normalize(max(0, p − q)) 重抽，分布不变。
+回滚是难点：被拒绝的草稿已经改过 DeltaNet 的记忆 S 和卷积窗口。简单的做法是第 11 章的 snapshot / rollback（存档、回退、
+重喂）；我们的做法是 keep_history / commit（与 vLLM、SGLang 相同）：验证时记下每个位置之后的 S，提交时取出最后接受的那份。
 """
 
 import time
@@ -25,12 +21,10 @@ from .layer import DecoderLayer
 from .model import load_pretrained
 from .norm import RMSNorm
 from .rope import rope_tables
-from .sample import Penalty, check_sampling, choose, make_generator, probabilities, stop_ids
-from .weights import find_model
+from .sample import Penalty, Sampling, choose, probabilities, stop_ids
 
 MAX_DRAFTS = 4  # 自动挑选时每轮最多起草几个
 PROBE_EVERY = 8  # 自动挑选选了不起草（接受率太低）时，每隔这么多轮仍起草一个：看看接受率有没有回升
-DRAFT_COST = 0.9  # 每多起草一个 token 一轮多花几步普通解码。普通矩阵乘法多一行输入可能多读一遍权重：取得保守
 
 
 class MTP(nn.Module):
@@ -42,9 +36,7 @@ class MTP(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.draft_cost = DRAFT_COST  # 见 best_draft_count
-        self.draft_ids = None  # 起草词表：附录的快路径只给这些 token 打分，读的权重少得多；None：全词表
-        self.draft_note = "全词表"
+        self.draft_cost = 0.9  # 多起草一个 token 一轮多花几步普通解码（best_draft_count）：普通的矩阵乘法，取得保守
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后）：第 i 行是位置 start + i 的 (h_t, e_{t+1})，预测 t + 2。"""
@@ -53,33 +45,28 @@ class MTP(nn.Module):
         cos, sin = rope_tables(self.cfg, start + torch.arange(x.shape[1], device=x.device))
         return self.norm(self.layers[0](x.float(), cos, sin, state)).to(emb_next.dtype)
 
-    def draft(self, model, tokens, hidden, start: int, k: int, state: AttentionState, temperature=0.0,
-              top_k=None, top_p=None, gen=None, penalty=None):
-        """起草 k 个 token → (草稿列表, 每个草稿的分布 q 或 None)。tokens、hidden [1, T]、[1, T, h]：草稿头还没见过的
-        (e_{t+1}, h_t) 对，从位置 start 起。之后草稿头吃自己的输出（它的 x 当作下一步的 h），再猜下一个。"""
-        state.truncate(start)  # 丢掉上一轮递归起草留下的推测条目
-        x = self(model.embed_tokens(tokens), hidden, start, state)[:, -1:]  # [1, 1, h]
+    def draft(self, model, pending: "Drafter", k: int, pick: "Sampler"):
+        """起草 k 个 token → (草稿列表, 每个草稿的分布 q 或 None)。先吃掉 pending 里草稿头还没见过的 (e_{t+1}, h_t) 对，
+        之后草稿头吃自己的输出（它的 x 当作下一步的 h），再猜下一个。"""
+        pending.cache.truncate(pending.start)  # 丢掉上一轮递归起草留下的推测条目
+        x = self(model.embed_tokens(pending.tokens), pending.hidden, pending.start, pending.cache)[:, -1:]  # [1, 1, h]
+        end = pending.start + pending.tokens.shape[1]  # 吃掉了：之后从 end（这一轮的开始）重新攒
+        pending.hidden, pending.tokens, pending.start = pending.hidden[:, :0], pending.tokens[:, :0], end
         drafts, qs = [], []
         for i in range(k):
-            logits = self.draft_logits(model, x)[0, -1:]  # [1, V]
-            d, q = choose((penalty(logits, drafts) if penalty else logits)[0], temperature, top_k, top_p, gen)
+            d, q = pick.choose(self.draft_logits(model, x)[0, -1:], drafts)  # 起草的分数 [1, V]
             drafts, qs = drafts + [d], qs + [q]
             if i + 1 < k:
-                x = self(model.embed_tokens(torch.tensor([[d]], device=x.device)), x, start + tokens.shape[1] + i, state)
+                x = self(model.embed_tokens(torch.tensor([[d]], device=x.device)), x, end + i, pending.cache)
         return drafts, qs
 
     def draft_logits(self, model, x):  # x [B, 1, h] → 全词表的 float32 logits [B, 1, V]
         return model.lm_head(x).float()
 
     @classmethod
-    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype | None = None, pack: bool = True,
-                        draft_vocab="auto", compile: bool | None = None, quantize: str | None = None) -> "MTP":
-        """读检查点里的 mtp.*。draft_vocab：起草时打分的 token（见附录 qwen/vocab.py）；pack、compile、quantize 同 Model。"""
-        from .vocab import draft_vocabulary  # 附录：默认的起草词表要从分词器里认出中文的 token
-        with torch.device("meta"):
-            mtp = cls(cfg)
-        mtp.draft_ids, mtp.draft_note = draft_vocabulary(path := find_model(path), cfg.vocab_size, draft_vocab)
-        return load_pretrained(mtp, path, "mtp.", dtype, pack, compile, " MTP 草稿头，不能做投机解码", quantize)
+    def from_pretrained(cls, cfg, path=None, dtype: torch.dtype = torch.float32, **old) -> "MTP":
+        """读检查点里的 mtp.*，与第 10 章的 Model 一样加载。快的布局与起草词表：附录的 qwen.fast.load。"""
+        return load_pretrained(cls, cfg, path, "mtp.", dtype, " MTP 草稿头，不能做投机解码", old)
 
 
 @dataclass
@@ -102,16 +89,23 @@ class SpecResult:
 
     def record(self, k: int, n: int, emitted: list, forwards: int):
         """记下一轮：起草 k 个，前 n 个通过验证，输出 emitted（停止符或预算可能截掉通过的草稿），主模型前向了几次。"""
-        for i in range(min(n + 1, k)):  # 第 i+1 个草稿真的被检验过：它前面的都通过了
+        for i in range(min(n + 1, k)):  # 第 i+1 个草稿真的被检验过（它前面的都通过了）；前 n 个通过
             self.tried_at[i] += 1
-        for i in range(n):
-            self.accepted_at[i] += 1
-        self.rounds += 1
-        self.forwards += forwards
-        self.drafted += k
-        self.hits += min(n, len(emitted))
-        self.tokens += emitted
+            self.accepted_at[i] += i < n
+        self.rounds, self.forwards, self.drafted = self.rounds + 1, self.forwards + forwards, self.drafted + k
+        self.hits, self.tokens = self.hits + min(n, len(emitted)), self.tokens + emitted
         self.trace.append((k, min(n, len(emitted)), emitted))
+
+
+@dataclass
+class Sampler:
+    """一次生成里怎么选 token：设置（第 12 章的 Sampling）、它的随机数发生器、罚重复记下的状态。"""
+    s: Sampling
+    gen: torch.Generator | None
+    penalty: Penalty
+
+    def choose(self, logits, extra=()):  # 一个位置的 logits [1, V] → (token, 分布 q；贪心时 None)；extra 见 Penalty
+        return choose(self.penalty(logits, extra)[0], self.s.temperature, self.s.top_k, self.s.top_p, self.gen)
 
 
 @dataclass
@@ -126,34 +120,21 @@ class Drafter:
         self.hidden = torch.cat([self.hidden, hidden], 1)
         self.tokens = torch.cat([self.tokens, torch.tensor([tokens], device=self.tokens.device)], 1)
 
-    def draft(self, model, mtp, k: int, sampling, pos: int):
-        """草稿头吃掉所有待送的对，起草 k 个；之后从位置 pos（这一轮的开始）重新攒。"""
-        drafts, qs = mtp.draft(model, self.tokens, self.hidden, self.start, k, self.cache, *sampling)
-        self.hidden, self.tokens, self.start = self.hidden[:, :0], self.tokens[:, :0], pos
-        return drafts, qs
 
-
-def forward_hidden(model, ids, state):
-    """主模型前向 → (logits [B, T, V] float32, 最后一次 norm 之后的隐藏状态 [B, T, h])：验证要前者，草稿头要后者。"""
-    h = model.hidden(ids, state)
-    return model.lm_head(h).float(), h
-
-
-def verify(drafts, qs, logits, temperature, top_k, top_p, gen, penalty):
-    """主模型的 logits [k+1, V] 检验 k 个草稿，返回 (接受数 n, 本轮的 token：d₁…d_n 加一个主模型的 token)。
-    第 i 个位置罚重复时，它前面的 i 个草稿也算已经生成过。“贪心时输出不变”要求第 i 行与逐个解码到这里时逐位相同：一次算
-    k+1 行按另一种顺序求和，差一点舍入就可能翻转持平的 argmax。本章的普通模型只保证差在舍入之内；附录的快路径逐位相同。"""
+def verify(drafts, qs, logits, pick: Sampler):
+    """主模型的 logits [k+1, V] 检验 k 个草稿 → (接受数 n, d₁…d_n 加一个主模型的 token)；罚重复时前面的草稿也算生成过。
+    “贪心时输出不变”要求第 i 行与逐个解码时逐位相同：换个求和顺序就可能翻转持平的 argmax（普通模型只差在舍入之内）。"""
     for i, d in enumerate(drafts):
-        row = penalty(logits[i : i + 1], drafts[:i])[0]
-        if temperature == 0:  # 贪心：草稿必须正是主模型的 argmax
+        row = pick.penalty(logits[i : i + 1], drafts[:i])[0]
+        if pick.s.temperature == 0:  # 贪心：草稿必须正是主模型的 argmax
             if d != (target := int(row.argmax())):
                 return i, drafts[:i] + [target]
             continue
-        p, q = probabilities(row, temperature, top_k, top_p), qs[i]
-        if torch.rand((), generator=gen) >= min(1.0, float(p[d] / q[d])):  # 以 min(1, p/q) 接受
+        p, q = probabilities(row, pick.s.temperature, pick.s.top_k, pick.s.top_p), qs[i]
+        if torch.rand((), generator=pick.gen) >= min(1.0, float(p[d] / q[d])):  # 以 min(1, p/q) 接受
             residual = (p - q).clamp(min=0)  # 拒绝：从 max(0, p − q) 里重抽
-            return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=gen))]
-    bonus, _ = choose(penalty(logits[-1:], drafts)[0], temperature, top_k, top_p, gen)  # 全部接受：主模型再送一个
+            return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=pick.gen))]
+    bonus, _ = pick.choose(logits[-1:], drafts)  # 全部接受：主模型再送一个
     return len(drafts), drafts + [bonus]
 
 
@@ -164,24 +145,23 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
     return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
 
 
-def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, sampling, stop, budget: int,
+def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, pick: Sampler, stop, budget: int,
                recompute: bool = False):
     """一轮：起草 k 个 → 一次前向验证 → 接受一致的前缀 → 提交状态（或回滚）。last：上一轮输出、主模型还没读的 token；
-    sampling：(temperature, top_k, top_p, gen, penalty)；budget：还能输出几个。返回 (通过的草稿数, 本轮的 token, 前向次数)。"""
+    budget：还能输出几个。返回 (通过的草稿数, 本轮的 token, 前向次数)。"""
     # 1. 起草（k = 0 时这一轮就是普通解码）
-    drafts, qs = drafter.draft(model, mtp, k, sampling, state.pos) if k > 0 else ([], [])
+    drafts, qs = mtp.draft(model, drafter, k, pick) if k > 0 else ([], [])
     # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
     start = state.pos
     feed = torch.tensor([[last] + drafts], device=drafter.tokens.device)  # [1, k+1]
     snap = snapshot(state) if recompute else None
     if not recompute and k > 0:
         keep_history(state)
-    logits, h = forward_hidden(model, feed, state)  # [1, k+1, V]、[1, k+1, h]
-    forwards = 1
+    h = model.hidden(feed, state)  # [1, k+1, h]：草稿头要最后一次 norm 之后的隐藏状态，验证要 logits
+    logits, forwards = model.lm_head(h).float(), 1  # [1, k+1, V]
     # 3. 接受最长的一致前缀，再加一个主模型的 token；停止符（含）之后的、超出预算的不要
-    n, new = verify(drafts, qs, logits[0], *sampling)
-    m = next((i + 1 for i, t in enumerate(new) if t in stop), len(new))
-    m = min(m, budget)
+    n, new = verify(drafts, qs, logits[0], pick)
+    m = min(next((i + 1 for i, t in enumerate(new) if t in stop), len(new)), budget)
     emitted = new[:m]  # 喂进去的 [last, d₁, …] 里保留前 m 个
     # 4. 提交：只留下前 m 个位置之后的状态
     if recompute and m < k + 1:  # 有被丢弃的 token：恢复存档，再把保留的重新喂一遍
@@ -195,69 +175,56 @@ def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, sa
     return n, emitted, forwards
 
 
-def speculate(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
-              top_p=None, seed=None, recompute: bool = False, **more) -> SpecResult:
-    """投机解码，返回 SpecResult。draft_tokens=None 时按接受率自动挑；recompute=True 用快照 + 重算回滚（对照）。"""
-    r = SpecResult()
-    for _ in stream_mtp(model, mtp, ids, max_new_tokens, stop, draft_tokens, temperature, top_k, top_p, seed,
-                        recompute=recompute, result=r, **more):
-        pass
-    return r
-
-
 @torch.inference_mode()
-def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
-               top_p=None, seed=None, repetition_penalty=1.0, presence_penalty=0.0, recompute=False, result=None,
-               state=None, mtp_state=None, hidden=None, history=(), draft_cost=None):
-    """逐轮产出这一轮的新 token（被接受的草稿连同主模型补的那个），细节记进 result（SpecResult）。接着已有的对话时：state
-    已读过 history，mtp_state 是草稿头读过它们的缓存，hidden [1, 1, h] 是最后一个位置的隐藏状态；ids 是新来的 token。
-    draft_cost：每轮问一次的函数，给出多起草一个 token 的代价（None 时是 mtp.draft_cost；服务时随同时生成的请求数变）。"""
-    t0 = time.perf_counter()
-    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty)
+def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, draft_tokens=None,
+               recompute=False, result=None, state=None, drafter=None, history=(), draft_cost=None, **settings):
+    """逐轮产出这一轮的新 token（被接受的草稿连同主模型补的那个），细节记进 result（SpecResult）。draft_tokens=None：按
+    接受率自动挑；recompute=True：快照 + 重算回滚（对照）。接着已有的对话时 state 已读过 history，drafter 是草稿头读过它们
+    的缓存与待送的最后一个 h；ids 是新来的 token。draft_cost：每轮问一次的函数，给出多起草一个的代价（默认 mtp.draft_cost）。"""
+    t0, s = time.perf_counter(), Sampling.of(sampling, **settings)
+    Sampling.check("max_new_tokens", max_new_tokens)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
         raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
     ids = model.check_ids(ids, state)
     if ids.shape[0] != 1:
         raise ValueError("投机解码一次处理一个提示词")
     r = result if result is not None else SpecResult()
-    r.accepted_at = [0] * (draft_tokens or MAX_DRAFTS)
-    r.tried_at = [0] * (draft_tokens or MAX_DRAFTS)
+    r.accepted_at, r.tried_at = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS)
     if max_new_tokens == 0:
         return
-    stop = stop_ids(stop)
-    gen = make_generator(seed, ids.device)
-    r.state = state or State(model)
-    seen = torch.cat([torch.as_tensor(history, dtype=torch.long, device=ids.device), ids[0]])
-    penalty = Penalty([seen], model.cfg.vocab_size, repetition_penalty, presence_penalty)
-    sampling = (temperature, top_k, top_p, gen, penalty)
-    pending_start = r.state.pos - 1 if hidden is not None else 0
+    stop, r.state = stop_ids(stop), state or State(model)
+    seen = torch.cat([torch.as_tensor(history, dtype=torch.long), ids[0].cpu()])
+    pick = Sampler(s, s.generator(ids.device), Penalty([seen], model.cfg.vocab_size, s))
     h = model.hidden(ids, r.state)  # 预填充；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
-    last, _ = choose(penalty(model.lm_head(h[:, -1]).float())[0], temperature, top_k, top_p, gen)
+    last, _ = pick.choose(model.lm_head(h[:, -1]).float())
     r.tokens, r.forwards, r.prefill_seconds = [last], 1, time.perf_counter() - t0
     yield [last]
-    penalty.add([last])
-    # 草稿头还没见过的对：提示词的每个位置（接着已有的对话时从它的最后一个起）配上下一个 token
-    pending_hidden = h if hidden is None else torch.cat([hidden, h], 1)
-    pending_tokens = torch.cat([ids[:, 1:] if hidden is None else ids, torch.tensor([[last]], device=ids.device)], 1)
-    drafter = Drafter(mtp_state or AttentionState(), pending_hidden, pending_tokens, pending_start)
+    pick.penalty.add([last])
+    fresh, drafter = drafter is None, drafter or Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
+    drafter.add(h, ids[0, int(fresh) :].tolist() + [last])  # 草稿头还没见过的对：每个位置配上下一个 token
     idle = 0  # 连续几轮没有起草
     while last not in stop and len(r.tokens) < max_new_tokens:
-        cost = draft_cost() if draft_cost else mtp.draft_cost
-        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], cost)
-        if k == 0 and idle >= PROBE_EVERY:  # 太久没起草：试一个，让接受率的估计跟上文本的变化
-            k = 1
+        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], draft_cost() if draft_cost else mtp.draft_cost)
+        k = max(k, int(idle >= PROBE_EVERY))  # 太久没起草：试一个，让接受率的估计跟上文本的变化
         k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
         idle = idle + 1 if k == 0 else 0
-        n, emitted, forwards = spec_round(model, mtp, r.state, drafter, last, k, sampling, stop,
+        n, emitted, forwards = spec_round(model, mtp, r.state, drafter, last, k, pick, stop,
                                           max_new_tokens - len(r.tokens), recompute)
         r.record(k, n, emitted, forwards)
-        penalty.add(emitted)
+        pick.penalty.add(emitted)
         last = emitted[-1]
         yield emitted
 
 
-def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), draft_tokens=None, temperature=0.0, top_k=None,
-                 top_p=None, seed=None, **more):
+def speculate(model, mtp, ids, max_new_tokens=100, stop=(), sampling=None, draft_tokens=None, **more) -> SpecResult:
+    """投机解码到底，返回 SpecResult（参数同 stream_mtp）。"""
+    r = SpecResult()
+    for _ in stream_mtp(model, mtp, ids, max_new_tokens, stop, sampling, draft_tokens, result=r, **more):
+        pass
+    return r
+
+
+def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling=None, draft_tokens=None, **more):
     """投机解码，返回 (tokens, rounds, hits)；贪心时 tokens 与 generate(model, ids, …) 逐个相同。详细结果见 speculate()。"""
-    r = speculate(model, mtp, ids, max_new_tokens, stop, draft_tokens, temperature, top_k, top_p, seed, **more)
+    r = speculate(model, mtp, ids, max_new_tokens, stop, sampling, draft_tokens, **more)
     return r.tokens, r.rounds, r.hits

@@ -1,59 +1,80 @@
 """第 12 章 · 采样：从 logits 到下一个 token，一个接一个地生成。
 
-生成就是循环：预填充提示词（分块形式一次算完），取最后一个位置的 logits 选出下一个 token，
-再把它喂回模型（逐 token 递推），直到停止符或达到 max_new_tokens。
+生成就是循环：预填充提示词，取最后一个位置的 logits 选出下一个 token，再把它喂回模型，直到停止符或 max_new_tokens。
 
-怎么“选”：
-- temperature = 0：贪心，取 argmax。确定性，投机解码的第 14 章以它为准。
-- temperature > 0：按 softmax(logits / T) 抽样，T 越小越保守。
-- top_k：只在分数最高的 k 个词里抽；top_p（核采样）：只在累计概率刚达到 p 的最小词集里抽。
-  两者都是先截断、再把剩下的概率重新归一化。
+怎么“选”（这些设置合起来是一个值 Sampling）：
+- temperature = 0：贪心，取 argmax，投机解码的第 14 章以它为准；temperature > 0：按 softmax(logits / T) 抽样。
+- top_k：只在分数最高的 k 个词里抽；top_p（核采样）：只在累计概率刚达到 p 的最小词集里抽。都是先截断、再重新归一化。
 - 在这之前可以先罚重复（Penalty）：repetition_penalty 让出现过的 token 的 logit 变小（贪心也罚），
   presence_penalty 让生成过的 token 的 logit 减去一个常数。
 """
+
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from .cache import State
 
 
-def check_sampling(max_new_tokens=0, temperature=0.0, top_k=None, top_p=None, repetition_penalty=1.0,
-                   presence_penalty=0.0) -> None:
-    """采样参数不合法时给出清楚的 ValueError（类型不对也一样：不做默默的转换）。"""
-    rules = [("max_new_tokens", max_new_tokens, True, lambda v: v >= 0, "应为非负整数"),
-             ("temperature", temperature, False, lambda v: v >= 0, "不能为负（0 表示贪心）"),
-             ("top_k", top_k, True, lambda v: v >= 1, "至少为 1（或 None）"),
-             ("top_p", top_p, False, lambda v: 0 < v <= 1, "应在 (0, 1] 内（或 None）"),
-             ("repetition_penalty", repetition_penalty, False, lambda v: v > 0, "应为正数（1 表示不罚）"),
-             ("presence_penalty", presence_penalty, False, lambda v: True, "应为数（0 表示不罚）")]
-    for name, v, integer, ok, what in rules:
-        if v is None and name in ("top_k", "top_p"):
-            continue
-        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or not ok(v):
+RULES = {  # 每项设置：(要整数?, 下限, 上限, 不含下限?, 说明)。命令行、服务、对话都用这一张表检查（Sampling.check）
+    "max_new_tokens": (True, 0, None, False, "应为非负整数"),
+    "temperature": (False, 0, None, False, "不能为负（0 表示贪心）"),
+    "top_k": (True, 1, None, False, "至少为 1（或 None）"),
+    "top_p": (False, 0, 1, True, "应在 (0, 1] 内（或 None）"),
+    "repetition_penalty": (False, 0, None, True, "应为正数（1 表示不罚）"),
+    "presence_penalty": (False, None, None, False, "应为数（0 表示不罚）"),
+    "seed": (True, -2**63, 2**63 - 1, False, "应为 64 位有符号整数（或 None）")}  # torch.Generator 的范围
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """怎么选下一个 token：一个值，建的时候检查一次，之后到处传（nano-vllm 的 SamplingParams）。默认贪心。"""
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        for f in fields(self):
+            self.check(f.name, getattr(self, f.name))
+
+    @staticmethod
+    def check(name: str, v) -> None:  # 不合法（类型不对也算：不做默默的转换）时是一行清楚的 ValueError
+        integer, low, high, low_open, what = RULES[name]
+        if v is None and name in ("top_k", "top_p", "seed"):
+            return
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or v != v or (
+                low is not None and (v < low or low_open and v == low)) or (high is not None and v > high):
             raise ValueError(f"{name} {what}，收到 {v!r}")
+
+    @classmethod
+    def of(cls, sampling=None, **settings) -> "Sampling":
+        """在 sampling（默认贪心）之上改几项：generate(…, temperature=0.7) 即 generate(…, Sampling(temperature=0.7))。"""
+        unknown = ", ".join(sorted(set(settings) - {f.name for f in fields(cls)}))
+        if unknown or not isinstance(sampling, (Sampling, type(None))):
+            raise ValueError(f"未知的采样参数 {unknown}" if unknown else f"sampling 应为一个 Sampling，收到 {sampling!r}")
+        return replace(sampling or cls(), **settings)
+
+    def generator(self, device="cpu"):
+        return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
 
 class Penalty:
-    """罚重复：哪些 token 出现过，是生成时要带着走的一点状态（每行一个 [V] 的布尔掩码）。
-
-    repetition_penalty = r（CTRL 的做法，与 transformers 相同）：提示词或已生成里出现过的 token，logit 为正时除以 r、
-    为负时乘以 r；presence_penalty = c（OpenAI、vLLM 的做法）：已生成过的 token 的 logit 减去 c，只减一次。
+    """罚重复：哪些 token 出现过，是生成时带着走的一点状态（每行一个 [V] 的布尔掩码）。repetition_penalty = r（CTRL、
+    transformers）：出现过的 token，logit 为正时除以 r、为负时乘以 r；presence_penalty = c（OpenAI、vLLM）：生成过的减去 c。
     """
 
-    def __init__(self, prompts, vocab_size: int, repetition_penalty=1.0, presence_penalty=0.0):
-        """prompts：每行一个一维的 id 张量（批处理时只放真实 token，不放填充）。"""
-        self.repetition, self.presence = float(repetition_penalty), float(presence_penalty)
+    def __init__(self, prompts, vocab_size: int, s: Sampling):  # prompts：每行真实 token 的一维 id 张量（不含填充）
+        self.repetition, self.presence = float(s.repetition_penalty), float(s.presence_penalty)
+        self.active = self.repetition != 1.0 or self.presence != 0.0
         self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool)  # [B, V]：提示词与已生成的
         self.made = torch.zeros_like(self.seen)  # [B, V]：已生成的
         for b, p in enumerate(prompts):
             self.seen[b, torch.as_tensor(p).flatten().cpu()] = True
 
-    @property
-    def active(self) -> bool:
-        return self.repetition != 1.0 or self.presence != 0.0
-
-    def add(self, tokens) -> None:
-        """每行新生成了一个或几个 token：tokens [B] 或 [B, n]。"""
+    def add(self, tokens) -> None:  # 每行新生成的一个或几个 token：[B] 或 [B, n]
         if not self.active:
             return
         rows = torch.arange(self.seen.shape[0])[:, None]
@@ -61,8 +82,7 @@ class Penalty:
         self.seen[rows, tokens] = self.made[rows, tokens] = True
 
     def __call__(self, logits: torch.Tensor, extra=()) -> torch.Tensor:
-        """logits [B, V']（V' 可以小于词表：起草时的子词表）→ 罚过的 logits。extra：第 0 行在这之前又多出的几个 token
-        （投机解码验证第 i 个位置时，它前面的 i 个草稿）。"""
+        """logits [B, V']（V' 可小于词表：起草的子词表）→ 罚过的 logits。extra：第 0 行之前多出的 token（验证时前面的草稿）。"""
         if not self.active:
             return logits
         V, extra = logits.shape[-1], [t for t in extra if t < logits.shape[-1]]
@@ -91,51 +111,42 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k=None, top_p=No
     return probs / probs.sum(-1, keepdim=True)
 
 
-def pick(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """logits [B, V] → 下一个 token [B]。"""
+def pick(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:  # [B, V] → [B]
     if temperature == 0:
         return logits.argmax(-1)
-    probs = probabilities(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
 
 
 def choose(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None):
     """一个位置的 logits [V] → (token, 抽样用的概率分布；贪心时为 None)。第 14 章的投机解码要这个分布。"""
-    if temperature == 0:
-        return int(logits.argmax()), None
-    p = probabilities(logits, temperature, top_k, top_p)
-    return int(torch.multinomial(p, 1, generator=generator)), p
+    p = None if temperature == 0 else probabilities(logits, temperature, top_k, top_p)
+    return int(logits.argmax() if p is None else torch.multinomial(p, 1, generator=generator)), p
 
 
-def stop_ids(stop) -> set:
-    """停止符是一组 token id。给的是字符串（或别的不是整数的东西）时报错，而不是悄悄地永不命中。"""
+def stop_ids(stop) -> set:  # 停止符是一组 token id：给的是字符串（或别的不是整数的东西）时报错，而不是悄悄地永不命中
     if isinstance(stop, (str, bytes)) or not all(hasattr(t, "__index__") for t in stop):
         raise ValueError(f"stop 要一组 token id（整数），收到 {stop!r}：文字请先用分词器转成 id")
     return {int(t) for t in stop}
 
 
-def make_generator(seed, device="cpu"):
-    return None if seed is None else torch.Generator(device).manual_seed(seed)
-
-
 @torch.inference_mode()
-def stream(model, ids, max_new_tokens=100, stop=(), temperature=0.0, top_k=None, top_p=None, seed=None,
-           repetition_penalty=1.0, presence_penalty=0.0, state=None, history=None):
-    """逐个产出新 token 的 id（int）。命中停止符时产出它，然后结束。
-
+def stream(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, state=None, history=None,
+           **settings):
+    """逐个产出新 token 的 id（int），命中停止符时产出它然后结束。sampling 默认贪心，settings 在它之上改几项。
     state 给定时接着它喂 ids（它已经见过 history 这些 token，多轮对话不必重读历史；罚重复时也算上 history）。"""
-    check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty)
+    s = Sampling.of(sampling, **settings)
+    Sampling.check("max_new_tokens", max_new_tokens)
     if max_new_tokens == 0:
         return
     ids = model.check_ids(ids, state)
     if ids.shape[0] != 1:
         raise ValueError("stream/generate 一次处理一个提示词；多个提示词请用 qwen.batch.generate_batch")
-    stop, gen, state = stop_ids(stop), make_generator(seed, ids.device), state or State(model)
+    stop, gen, state = stop_ids(stop), s.generator(ids.device), state or State(model)
     seen = ids[0] if history is None else torch.cat([torch.as_tensor(history, dtype=torch.long, device=ids.device), ids[0]])
-    penalty = Penalty([seen], model.cfg.vocab_size, repetition_penalty, presence_penalty)
+    penalty = Penalty([seen], model.cfg.vocab_size, s)
     logits = model(ids, state, last=True)[:, -1]  # 预填充：只要最后一个位置的 logits
     for i in range(max_new_tokens):
-        token = pick(penalty(logits), temperature, top_k, top_p, gen)  # [1]
+        token = pick(penalty(logits), s.temperature, s.top_k, s.top_p, gen)  # [1]
         t = int(token)
         yield t
         if t in stop or i == max_new_tokens - 1:
@@ -144,8 +155,6 @@ def stream(model, ids, max_new_tokens=100, stop=(), temperature=0.0, top_k=None,
         logits = model(token[:, None], state)[:, -1]  # 解码：一次一个 token
 
 
-def generate(model, ids, max_new_tokens=100, stop=(), temperature=0.0, top_k=None, top_p=None, seed=None,
-             repetition_penalty=1.0, presence_penalty=0.0) -> list:
+def generate(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, **settings) -> list:
     """生成并返回新 token 的列表（不含提示词；命中停止符时它是最后一个）。"""
-    return list(stream(model, ids, max_new_tokens, stop, temperature, top_k, top_p, seed, repetition_penalty,
-                       presence_penalty))
+    return list(stream(model, ids, max_new_tokens, stop, sampling, **settings))

@@ -37,4 +37,4 @@ def tiny_model(tiny):
     """各章的普通模型（pack=False，不变换）：逐位与参考实现比，也是快路径的对照。"""
     from qwen import Model
 
-    return Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)
+    return Model.from_pretrained(tiny[0], dtype=torch.float32)

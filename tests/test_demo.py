@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwen.fast import load_draft, load_model
 from qwen import Chat, Model, find_model, generate, load_config
 from qwen.mtp import MTP, speculate
 from qwen.weights import DEMO_PATH, safetensors_files
@@ -25,8 +26,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def demo():
-    model = Model.from_pretrained("demo", dtype=torch.float32, compile=False)
-    return model, MTP.from_pretrained(model.cfg, "demo", dtype=torch.float32, compile=False), Chat(model)
+    model = load_model("demo", layout="packed", dtype=torch.float32)
+    return model, load_draft(model), Chat(model)
 
 
 def test_demo_has_the_released_layout():
@@ -68,8 +69,8 @@ def test_demo_draft_head_accepts(demo):
 
 
 def test_demo_auto_drafts_equal_greedy_in_bfloat16():
-    model = Model.from_pretrained("demo", dtype=torch.bfloat16, compile=False)
-    mtp = MTP.from_pretrained(model.cfg, "demo", dtype=torch.bfloat16, compile=False)
+    model = load_model("demo", layout="packed", dtype=torch.bfloat16)
+    mtp = load_draft(model)
     chat = Chat(model)
     ids = chat.encode(PROMPTS[0])
     r = speculate(model, mtp, ids, 40, chat.stop)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qwen.fast import load_model
 from qwen import Model, find_model, generate, load_config
 
 
@@ -29,8 +30,8 @@ def single_file_copy(src, dst, edit=None):
 
 def test_single_file_checkpoint_loads(tiny, tmp_path):
     path = single_file_copy(tiny[0], tmp_path / "single")
-    a = Model.from_pretrained(path, dtype=torch.float32, compile=False)
-    b = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=False)
+    a = load_model(path, layout="packed", dtype=torch.float32)
+    b = load_model(tiny[0], layout="packed", dtype=torch.float32)
     ids = torch.arange(10)[None]
     with torch.no_grad():
         assert torch.equal(a(ids), b(ids))
@@ -38,7 +39,7 @@ def test_single_file_checkpoint_loads(tiny, tmp_path):
 
 def test_folder_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Model.from_pretrained(tmp_path)
+        load_model(tmp_path)
 
 
 def test_other_model_type(tmp_path):
@@ -51,7 +52,7 @@ def test_missing_tensor(tiny, tmp_path):
     name = "model.language_model.layers.1.linear_attn.dt_bias"
     path = single_file_copy(tiny[0], tmp_path / "m", lambda t: t.pop(name))
     with pytest.raises(ValueError, match=r"缺少 1 个：layers\.1\.linear_attn\.dt_bias"):
-        Model.from_pretrained(path)
+        load_model(path)
 
 
 def test_unexpected_tensor(tiny, tmp_path):
@@ -60,7 +61,7 @@ def test_unexpected_tensor(tiny, tmp_path):
 
     path = single_file_copy(tiny[0], tmp_path / "u", add)
     with pytest.raises(ValueError, match=r"多出 1 个：layers\.0\.mlp\.extra\.weight"):
-        Model.from_pretrained(path)
+        load_model(path)
 
 
 def test_shape_mismatch(tiny, tmp_path):
@@ -71,14 +72,14 @@ def test_shape_mismatch(tiny, tmp_path):
 
     path = single_file_copy(tiny[0], tmp_path / "s", bad)
     with pytest.raises(ValueError, match=r"layers\.2\.mlp\.up_proj\.weight.*\(7, 128\).*\(256, 128\)"):
-        Model.from_pretrained(path)
+        load_model(path)
 
 
 def test_bin_only_refused(tiny, tmp_path):
     shutil.copy(tiny[0] / "config.json", tmp_path / "config.json")
     (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
     with pytest.raises(ValueError, match="safetensors"):
-        Model.from_pretrained(tmp_path)
+        load_model(tmp_path)
 
 
 def test_missing_shard(tiny, tmp_path):
@@ -86,7 +87,7 @@ def test_missing_shard(tiny, tmp_path):
     shutil.copytree(tiny[0], dst)
     (dst / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
-        Model.from_pretrained(dst)
+        load_model(dst)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_compile_without_a_working_compiler(tiny, monkeypatch):
 
     monkeypatch.setattr(kernel, "load_kernel", broken)
     with pytest.raises(RuntimeError, match="compile=True 要用这台机器的 C\\+\\+ 编译器.*command not found.*compile=False"):
-        Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
+        load_model(tiny[0], layout="graphs", dtype=torch.float32)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -190,7 +191,7 @@ def test_truncated_safetensors(tiny, tmp_path):
     shard = dst / "model-00001-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"model-00001-of-00002\.safetensors 不是完整的 safetensors 文件.*重新下载"):
-        Model.from_pretrained(dst)
+        load_model(dst)
 
 
 @pytest.mark.parametrize("text", ['{"model_type": "qwen3_5", "text_config": {', "", "not json"])
@@ -238,14 +239,14 @@ def test_bad_shard_index_names_the_file(tiny, tmp_path, text):
     shutil.copytree(tiny[0], ck)
     (ck / "model.safetensors.index.json").write_text(text)
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json.*weight_map"):
-        Model.from_pretrained(ck, dtype=torch.float32, pack=False)
+        Model.from_pretrained(ck, dtype=torch.float32)
 
 
 def test_bad_tokenizer_and_text_are_clear_errors(tiny, tmp_path):
     """tokenizer.json 不是 JSON：ValueError 说出文件；单独的代理字符（不是合法的 Unicode）：ValueError，不是分词器深处的 TypeError。"""
     from qwen import Chat
 
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
     with pytest.raises(ValueError, match="代理字符"):
         Chat(model).encode("你好\ud800")
     ck = tmp_path / "ck"

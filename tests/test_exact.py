@@ -10,7 +10,7 @@ import torch
 from qwen import Model, State
 from qwen.bench import OracleDrafter
 from qwen.cache import AttentionState, commit, copy_state, keep_history
-from qwen.fast import warm_up
+from qwen.fast import load as load_fast, warm_up
 from qwen.fast.layers import GROUPED_FROM
 from qwen.fast.linear import can_pack
 from qwen.mtp import MTP, speculate
@@ -27,13 +27,13 @@ def lively08b(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("lively08b"), seed=4, out_scale=1.0, **TWO_LAYERS)[0]
 
 
-PATHS = {  # 名字 → (检查点, from_pretrained 的参数)；默认：分块布局与 C++ 的 matvec，不编译图
-    "packed-float32": ("lively", dict(dtype=torch.float32, compile=False)),
+PATHS = {  # 名字 → (检查点, qwen.fast.load 的参数)；默认：分块布局与 C++ 的 matvec，不编译图
+    "packed-float32": ("lively", dict(dtype=torch.float32, layout="packed")),
     "default-float32": ("lively", dict(dtype=torch.float32)),
-    "compiled-float32": ("lively", dict(dtype=torch.float32, compile=True)),
-    "packed-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, compile=False)),
+    "compiled-float32": ("lively", dict(dtype=torch.float32, layout="graphs")),
+    "packed-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, layout="packed")),
     "default-bfloat16": ("lively08b", dict(dtype=torch.bfloat16)),
-    "compiled-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, compile=True)),
+    "compiled-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, layout="graphs")),
     "int8": ("lively08b", dict(dtype=torch.bfloat16, quantize="int8")),
 }
 MODELS = {}  # 同一条路径在本文件的几个测试里共用一个模型（编译的图只编译一次）
@@ -44,11 +44,9 @@ def load(request, name):
         which, kw = PATHS[name]
         path = request.getfixturevalue(which)
         path = path[0] if isinstance(path, tuple) else path
-        if kw["dtype"] == torch.bfloat16 and kw.get("compile") is False and not can_pack(torch.empty(0).bfloat16()):
+        if kw["dtype"] == torch.bfloat16 and kw.get("layout") == "packed" and not can_pack(torch.empty(0).bfloat16()):
             pytest.skip("这台机器的 oneDNN 不支持 bfloat16：没有打包的 bfloat16 路径")
-        model = Model.from_pretrained(path, **kw)
-        MODELS[name] = model, MTP.from_pretrained(model.cfg, path, dtype=kw["dtype"], draft_vocab=300,
-                                                  compile=kw.get("compile"), quantize=kw.get("quantize"))
+        MODELS[name] = load_fast(path, draft_vocab=300, **kw)
     return MODELS[name]
 
 

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+from qwen.fast import load_draft, load_model
 from qwen import Model, State
 from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
@@ -23,7 +24,7 @@ LENGTHS = [1, 2, 63, 64, 65, 130]
 @pytest.fixture(scope="module")
 def packed_model(tiny):
     """默认加载：矩阵打包成 oneDNN 布局（累加顺序不同，差在 float32 舍入的量级）。"""
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=False)
+    model = load_model(tiny[0], layout="packed", dtype=torch.float32)
     mlp = model.layers[0].mlp
     assert isinstance(mlp.gate_up, PackedLinear) and not hasattr(mlp, "up_proj")  # gate、up 拼成一个打包的矩阵
     assert isinstance(mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
@@ -36,7 +37,7 @@ def packed_model(tiny):
 @pytest.fixture(scope="module")
 def compiled_model(tiny):
     """compile=True：分块布局、C++ 的 matvec，解码与验证 1～4 个草稿的一步编译成图（附录 step.py）。"""
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=True)
+    model = load_model(tiny[0], layout="graphs", dtype=torch.float32)
     mlp = model.layers[0].mlp
     assert isinstance(mlp.gate_up, BlockedLinear) and isinstance(mlp.down_proj, BlockedLinear)
     assert isinstance(model.lm_head, BlockedLinear) and isinstance(model.embed_tokens, FileEmbedding)
@@ -47,7 +48,7 @@ def compiled_model(tiny):
 @pytest.fixture(scope="module")
 def blocked_model(tiny):
     """默认（compile=None，能编译 C++ 时）：分块布局、C++ 的 matvec，DeltaNet 层解码时是 C++ 的 deltanet_step。"""
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+    model = load_model(tiny[0], dtype=torch.float32)
     assert model.layers[0].linear_attn.step_kernel is not None
     return model
 
@@ -136,9 +137,9 @@ def test_compiled_speculation_equals_greedy_without_recompiling(lively):
     from qwen.mtp import MTP, speculate
     from qwen.sample import generate
 
-    model = Model.from_pretrained(lively[0], dtype=torch.float32, compile=True)
-    plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
-    mtp = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, draft_vocab=300, compile=True)
+    model = load_model(lively[0], layout="graphs", dtype=torch.float32)
+    plain = Model.from_pretrained(lively[0], dtype=torch.float32)
+    mtp = load_draft(model, lively[0], draft_vocab=300)
     assert isinstance(mtp, FastMTP) and mtp.step is not None
     warm_up(model, mtp)
     assert mtp.draft_cost < 10
@@ -172,7 +173,7 @@ def test_compiler_check_is_cached_on_disk(tiny, tmp_path, monkeypatch):
         assert not linear.can_compile()
     assert len(tries) == 1 and "norm.cpp" in (tmp_path / "qwen" / "compiler.json").read_text()
     with pytest.warns(RuntimeWarning):
-        model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+        model = load_model(tiny[0], dtype=torch.float32)
     assert isinstance(model.lm_head, PackedLinear) and len(tries) == 1
     (tmp_path / "fixed.cpp").write_text("// 装好了的源码\n")
     monkeypatch.setattr(kernel, "SOURCES", [*kernel.SOURCES, tmp_path / "fixed.cpp"])
@@ -192,7 +193,7 @@ def test_unwritable_cache_still_gets_the_kernel(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 不该退回，也就不该警告
-        model = Model.from_pretrained(tiny[0], dtype=torch.float32)
+        model = load_model(tiny[0], dtype=torch.float32)
     assert isinstance(model, FastModel)
 
 
@@ -222,8 +223,8 @@ def test_bfloat16_logits_stay_close_to_float32(widths08b):
     舍入的量级（量出来约 2%，界 4%）；DeltaNet 的记忆 S 与 A_log 仍是 float32。（这个检查点上 float32 的 argmax 几乎总是
     输入的那个 token，比 argmax 是否一致说明不了什么，所以比 logits。）"""
     path, _ = widths08b
-    m32 = Model.from_pretrained(path, dtype=torch.float32, pack=False)
-    m16 = Model.from_pretrained(path, dtype=torch.bfloat16, compile=False)
+    m32 = Model.from_pretrained(path, dtype=torch.float32)
+    m16 = load_model(path, layout="packed", dtype=torch.bfloat16)
     assert m16.dtype == torch.bfloat16  # 打包的布局（oneDNN 不支持 bfloat16 的机器上是普通模型）
     assert m16.layers[0].linear_attn.A_log.dtype == torch.float32
     ids = prompt(m32.cfg.vocab_size, 64, seed=3)
@@ -312,7 +313,7 @@ def test_gemv_leaves_onednn_alone(monkeypatch):
 
 def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
     """打包后嵌入表不在内存里：查表从文件读出的行与普通模型的嵌入逐位相同。"""
-    packed = Model.from_pretrained(tiny[0], dtype=torch.float32, compile=False)
+    packed = load_model(tiny[0], layout="packed", dtype=torch.float32)
     assert not hasattr(packed.embed_tokens, "weight") and not hasattr(packed.lm_head, "weight")
     ids = prompt(packed.cfg.vocab_size, 9, seed=5)
     assert torch.equal(packed.embed_tokens(ids), tiny_model.embed_tokens(ids))
@@ -429,8 +430,8 @@ def test_int8_logits_stay_close_and_greedy_agrees(widths08b):
     解码（编译的一步）时，logits 的相对误差 ‖Δ‖/‖logits‖ 都在 8% 以内（随机权重的量化误差比训练过的大：demo 上约 0.6%），
     每个位置的 argmax 至少 90% 相同。"""
     path, _ = widths08b
-    m32 = Model.from_pretrained(path, dtype=torch.float32, pack=False)
-    m8 = Model.from_pretrained(path, dtype=torch.float32, quantize="int8")
+    m32 = Model.from_pretrained(path, dtype=torch.float32)
+    m8 = load_model(path, quantize="int8", dtype=torch.float32)
     assert m8.lm_head.blocks.dtype == torch.int8 and m8.layers[0].mlp.down_proj.blocks.dtype == torch.int8
     ids = prompt(m32.cfg.vocab_size, 64, seed=3)
     s32, s8 = State(m32), State(m8)
@@ -447,12 +448,12 @@ def test_int8_logits_stay_close_and_greedy_agrees(widths08b):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(quantize="int4"), "只能是 None 或"), (dict(quantize="int8", compile=False), "不能与 compile=False"),
-    (dict(quantize="int8", pack=False), "普通模型不量化"),
+    (dict(quantize="int4"), "只能是 None 或"), (dict(quantize="int8", layout="packed"), "不能与 layout='packed'"),
+    (dict(quantize="int8", layout="plain"), "不能与 layout='plain'"), (dict(layout="fast"), "layout 应为 auto 或"),
 ])
 def test_bad_quantize_is_refused(tiny, kw, message):
     with pytest.raises(ValueError, match=message):
-        Model.from_pretrained(tiny[0], dtype=torch.float32, **kw)
+        load_model(tiny[0], dtype=torch.float32, **kw)
 
 
 
@@ -499,8 +500,8 @@ def test_untied_output_head_on_every_path(tmp_path):
     ids = prompt(512, 20, seed=5)
     with torch.no_grad():
         ref = hf(ids).logits
-    for kw, tol in ((dict(pack=False), 1e-4), (dict(compile=False), 1e-3), (dict(quantize="int8"), None)):
-        model = Model.from_pretrained(path, dtype=torch.float32, **kw)
+    for kw, tol in ((dict(layout="plain"), 1e-4), (dict(layout="packed"), 1e-3), (dict(quantize="int8"), None)):
+        model = load_model(path, dtype=torch.float32, **kw)
         assert not model.cfg.tie_word_embeddings
         with torch.inference_mode():
             got = model(ids)
@@ -508,10 +509,11 @@ def test_untied_output_head_on_every_path(tmp_path):
             assert (got - ref).norm() / ref.norm() <= 0.05  # 错读成嵌入表时是 100% 量级
         else:
             assert (got - ref).abs().max() <= tol
-    mtp = MTP.from_pretrained(model.cfg, path, dtype=torch.float32, compile=False, draft_vocab=[3, 9, 40])
+    packed = load_model(path, layout="packed", dtype=torch.float32)
+    mtp = load_draft(packed, draft_vocab=[3, 9, 40])
     x = torch.randn(1, 1, model.cfg.hidden_size)
     with torch.inference_mode():
-        assert torch.allclose(mtp.draft_logits(model, x)[..., [3, 9, 40]], x @ hf.lm_head.weight[[3, 9, 40]].T, atol=1e-5)
+        assert torch.allclose(mtp.draft_logits(packed, x)[..., [3, 9, 40]], x @ hf.lm_head.weight[[3, 9, 40]].T, atol=1e-5)
 
 
 def test_kernel_cache_is_per_machine_and_rebuilt_when_broken(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qwen.fast import load_model
 from qwen import Model, State
 from qwen.batch import generate_batch
 from qwen.chat import Chat, TextStream, build_prompt
@@ -17,13 +18,13 @@ from qwen.sample import generate, pick, probabilities
 @pytest.fixture(scope="module")
 def model(lively):
     """默认加载：附录 qwen.fast 变换过的模型。"""
-    return Model.from_pretrained(lively[0], dtype=torch.float32, compile=False)
+    return load_model(lively[0], layout="packed", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def plain(lively):
     """各章的普通模型（pack=False，不变换）。"""
-    return Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
+    return Model.from_pretrained(lively[0], dtype=torch.float32)
 
 
 def ids_of(T, seed=0, vocab=512):
@@ -272,7 +273,7 @@ def test_reply_streams_text(chat):
 # ---------- 批处理 ----------
 
 
-BATCH_LAYOUTS = {"bf16": {}, "packed": dict(compile=False), "int8": dict(quantize="int8")}
+BATCH_LAYOUTS = {"bf16": {}, "packed": dict(layout="packed"), "int8": dict(quantize="int8")}
 
 
 @pytest.mark.parametrize("layout", BATCH_LAYOUTS)
@@ -280,7 +281,7 @@ def test_batch_rows_equal_separate_runs_bit_for_bit(lively, layout):
     """快路径上（bfloat16 的默认分块布局、oneDNN 打包的布局、int8）批处理的每一行与单独生成它逐位相同：贪心的，与带种子
     采样的（每行一个以 seed 起头的随机数发生器）。提示词长短不一（1～100 个 token，左填充；100 个的超过一层能拼的 32 个），
     续写多样（每行至少 5 种 token），bfloat16 下差一个舍入就会换掉 token——左填充着算的时候就是这样。"""
-    model = Model.from_pretrained(lively[0], dtype=torch.bfloat16, **BATCH_LAYOUTS[layout])
+    model = load_model(lively[0], dtype=torch.bfloat16, **BATCH_LAYOUTS[layout])
     prompts = [ids_of(n, seed=n)[0] for n in (1, 7, 40, 100, 23)]
     alone = [generate(model, p[None], 24) for p in prompts]
     assert all(len(set(out)) >= 5 for out in alone), alone

@@ -44,7 +44,7 @@ _cache = {}
 
 def _w08b_model(path):
     if path not in _cache:
-        _cache[path] = Model.from_pretrained(path, dtype=torch.float32, pack=False)
+        _cache[path] = Model.from_pretrained(path, dtype=torch.float32)
     return _cache[path]
 
 
@@ -161,7 +161,7 @@ def test_compare_names_the_broken_layer(tiny, capsys):
     assert main(["--model", str(path), "--tokens", "20"]) == 0  # 自己从检查点建 transformers 的模型
     out = capsys.readouterr().out
     assert "每一块的相对差都在容差" in out and "第 2 层" in out
-    model = Model.from_pretrained(path, dtype=torch.float32, pack=False)
+    model = Model.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         model.layers[2].mlp.down_proj.weight[:, 0] += 0.05  # 改坏一列
     rows, first = compare(model, hf, prompt(model.cfg.vocab_size, 20, seed=5))

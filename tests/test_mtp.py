@@ -7,6 +7,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from qwen.fast import load_draft, load_model
 from qwen import Model, State
 from qwen.bench import OracleDrafter
 from qwen.mtp import MTP, generate_mtp, speculate
@@ -15,12 +16,12 @@ from qwen.sample import generate, probabilities
 
 @pytest.fixture(scope="module")
 def model(lively):
-    return Model.from_pretrained(lively[0], dtype=torch.float32, compile=False)
+    return load_model(lively[0], layout="packed", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def mtp(lively, model):
-    return MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, compile=False)
+    return load_draft(model)
 
 
 def ids_of(T, seed=0, vocab=512):
@@ -100,9 +101,9 @@ def test_greedy_speculative_with_penalties_equals_plain(model, mtp, k):
 
 def test_plain_path_speculates_like_greedy(lively):
     """各章的普通模型与草稿头（pack=False，不变换）：投机解码与普通贪心逐 token 相同，与快路径的结果也相同。"""
-    plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
-    head = MTP.from_pretrained(plain.cfg, lively[0], dtype=torch.float32, pack=False, draft_vocab=300)
-    fast = Model.from_pretrained(lively[0], dtype=torch.float32, compile=False)
+    plain = Model.from_pretrained(lively[0], dtype=torch.float32)
+    head = MTP.from_pretrained(plain.cfg, lively[0], dtype=torch.float32)
+    fast = load_model(lively[0], layout="packed", dtype=torch.float32)
     for T, k in ((9, 1), (40, 3), (70, None)):
         ids = ids_of(T, seed=900 + T)
         plain_tokens = generate(plain, ids, 24)
@@ -116,8 +117,8 @@ def test_plain_path_speculates_like_greedy(lively):
 @pytest.fixture(scope="module")
 def smooth(tiny):
     """平稳的小模型（写回残差流的投影尺度 0.1）：一层的草稿头学得会它。"""
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32, pack=False)  # 要对它求导来拟合草稿头
-    return model, MTP.from_pretrained(model.cfg, tiny[0], dtype=torch.float32, compile=False), fit_mtp(model)
+    model = Model.from_pretrained(tiny[0], dtype=torch.float32)  # 要对它求导来拟合草稿头
+    return model, load_draft(load_model(tiny[0], layout="packed", dtype=torch.float32)), fit_mtp(model)
 
 
 def fit_mtp(model, steps=300, seed=0):
@@ -251,6 +252,7 @@ def test_bad_arguments(model, mtp, tmp_path):
     path, _ = make_checkpoint(tmp_path / "nomtp", seed=3, mtp=False, tokenizer=False)
     with pytest.raises(ValueError, match="没有 MTP 草稿头"):
         MTP.from_pretrained(model.cfg, path)
+    assert load_draft(model, path) is None  # 快路径的加载：没有草稿头是一个值，不是报错
 
 
 # ---------- 采样：输出分布与普通采样相同 ----------
@@ -324,7 +326,7 @@ def test_speculative_sampling_distribution(which, k, penalties):
 def test_draft_vocab_subset(lively, model, vocab):
     """起草只给起草词表（前 100 个 id，或每隔两个取一个）打分：草稿都落在里面，输出仍与贪心逐 token 相同；
     词表外的 logits 是 −∞，词表里的与全词表的输出头相同。"""
-    head = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, draft_vocab=vocab, compile=False)
+    head = load_draft(model, lively[0], draft_vocab=vocab)
     keep = torch.arange(100) if vocab == 100 else torch.tensor(vocab)
     assert torch.equal(head.draft_ids, keep)
     seen = []
@@ -344,15 +346,15 @@ def test_draft_vocab_subset(lively, model, vocab):
     assert head.draft_head.shape == (len(keep), model.cfg.hidden_size)  # 只读出输出头的这几行
     with torch.inference_mode():
         x = torch.randn(1, 1, model.cfg.hidden_size)
-        plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
+        plain = Model.from_pretrained(lively[0], dtype=torch.float32)
         got, want = head.draft_logits(model, x), plain.lm_head(x)
         assert torch.allclose(got[..., keep], want[..., keep], atol=1e-5)
         assert torch.isneginf(got).sum() == model.cfg.vocab_size - len(keep)
         head.draft_ids = torch.arange(200)
         with pytest.raises(ValueError, match="重新加载"):
             head.draft_logits(model, x)
-    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=None).draft_ids is None
-    assert MTP.from_pretrained(model.cfg, lively[0], draft_vocab=10_000).draft_ids is None  # 比词表还大：全词表
+    assert load_draft(model, lively[0], draft_vocab=None).draft_ids is None
+    assert load_draft(model, lively[0], draft_vocab=10_000).draft_ids is None  # 比词表还大：全词表
 
 
 def test_best_draft_count():
@@ -381,16 +383,16 @@ def test_compiled_speculative_equals_plain(lively):
     """compile=True（分块布局、编译的 matvec）时，投机解码与普通贪心仍逐 token 相同。"""
     from qwen.fast.linear import BlockedLinear
 
-    model = Model.from_pretrained(lively[0], dtype=torch.float32, compile=True)
-    mtp = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, compile=True)
-    plain = Model.from_pretrained(lively[0], dtype=torch.float32, pack=False)
+    model = load_model(lively[0], layout="graphs", dtype=torch.float32)
+    mtp = load_draft(model)
+    plain = Model.from_pretrained(lively[0], dtype=torch.float32)
     assert isinstance(model.lm_head, BlockedLinear) and isinstance(mtp.fc, BlockedLinear)
     for T, k in ((5, 1), (63, 3), (70, None)):
         ids = ids_of(T, seed=T)
         assert generate_mtp(model, mtp, ids, 20, draft_tokens=k)[0] == generate(plain, ids, 20)
     # 起草词表不是 32 的整块数、也不是前几个 id：那几行读出来换成自己的分块布局，存成 int8（草稿只是猜测）
     vocab = list(range(5, 512, 5))
-    mtp = MTP.from_pretrained(model.cfg, lively[0], dtype=torch.float32, compile=True, draft_vocab=vocab)
+    mtp = load_draft(model, lively[0], draft_vocab=vocab)
     assert isinstance(mtp.draft_head, BlockedLinear) and mtp.draft_head.out_features == len(vocab)
     assert mtp.draft_head.blocks.dtype == torch.int8
     with torch.inference_mode():
@@ -423,10 +425,10 @@ def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):
     calls = []
 
     class Recording(OracleDrafter):
-        def draft(self, model, tokens, hidden, start, k, state, *sampling):
-            assert tokens.shape[1] == hidden.shape[1]
-            calls.append((start, tokens.shape[1]))
-            return super().draft(model, tokens, hidden, start, k, state, *sampling)
+        def draft(self, model, pending, k, pick):
+            assert pending.tokens.shape[1] == pending.hidden.shape[1]
+            calls.append((pending.start, pending.tokens.shape[1]))
+            return super().draft(model, pending, k, pick)
 
     ids = ids_of(12, seed=5)
     n = 60

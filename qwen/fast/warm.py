@@ -1,0 +1,74 @@
+"""附录 · 用之前：把各张图编译好，并量出这台机器上多起草一个 token 的代价（自动挑草稿数用）。"""
+
+import time
+
+import torch
+
+from ..attention import AttentionState
+from ..cache import State, copy_state, keep_history
+from ..mtp import MAX_DRAFTS, SpecResult, stream_mtp
+from ..sample import stream
+from .draft import FastMTP
+from .layers import DECODE_LENGTHS
+from .load import describe
+from .records import read_record, write_record
+
+
+@torch.inference_mode()
+def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
+    """把解码与投机解码要用的图都编译好（第一次在这台机器上要一会儿，之后从磁盘缓存读），返回用了几秒。
+    calibrate 且有草稿头时，再量一量一轮投机解码在这台机器上比一步普通解码贵多少，设给 mtp.draft_cost（见 measure_draft_cost）；
+    量出的值按模型的配置、dtype、布局、线程数记在 record_file("draft_cost.json") 里，之后直接用（删掉这个文件就重新量）。
+    calibrate="recorded"：只用记下的值，没有就保留初值，不当场量（命令行：第一个回答不等这十几秒）。
+    不编译的布局（打包、普通）没有图要编译，只做校准。"""
+    t0 = time.perf_counter()
+    ids = torch.arange(1, 9)[None] % model.cfg.vocab_size  # 随便 8 个 token
+    state = State(model)
+    hidden = model.hidden(ids, state)  # 预填充（8 行的 matvec）
+    if getattr(model, "layout", None) == "graphs":
+        for T in model.step_lengths:  # 解码 1 个 token；验证 1～4 个草稿（记历史的那一版）
+            s = copy_state(state)
+            if T > 1:
+                keep_history(s)
+            model(ids[:, :T], s)
+    if mtp is not None and isinstance(mtp, FastMTP) and mtp.step is not None:
+        cache = AttentionState()
+        mtp(model.embed_tokens(ids), hidden, 0, cache)  # 草稿头读提示词（不编译）
+        for T in DECODE_LENGTHS:  # 起草一个 token；送进上一轮留下的几对
+            c = copy_state(cache)
+            mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
+        mtp.draft_logits(model, hidden[:, :1])
+    if mtp is not None and calibrate:
+        key = (f"{model.cfg} · {model.dtype} · {describe(model)} · 草稿词表 {getattr(mtp, 'draft_note', '全词表')} · "
+               f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
+        cost = read_record("draft_cost.json", key)
+        if not isinstance(cost, float) and calibrate != "recorded":  # 没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）
+            cost = measure_draft_cost(model, mtp, ids)
+            write_record("draft_cost.json", key, cost)
+        mtp.draft_cost = cost if isinstance(cost, float) else mtp.draft_cost
+    return time.perf_counter() - t0
+
+
+def measure_draft_cost(model, mtp, ids, rounds: int = 3) -> float:
+    """这台机器上每多起草一个 token，一轮投机解码多花几步普通解码（第 14 章 best_draft_count 的 cost）。
+    量的是真实的循环：普通解码每产出一个 token 的间隔 t₀；固定起草 k = 1…4 个时每一轮（起草、验证、提交）的间隔 t，
+    记下这一轮真的起草了几个（预算快用完时会少）。按 t / t₀ = 1 + cost·k 做最小二乘。头两次产出不算：
+    一次是预填充，一次是草稿头第一次读提示词（不走编译的图）。"""
+    def gaps(generator):
+        times, t = [], None
+        for _ in generator:
+            now = time.perf_counter()
+            times.append(None if t is None else now - t)
+            t = now
+        return times[2:]  # 第 0 个是预填充结束，第 1 个间隔含草稿头读提示词
+
+    plain = sorted(gaps(stream(model, ids, rounds + 3)))
+    t0 = plain[len(plain) // 2]  # 中位数：机器上别的进程插进来的那几步不算
+    xs, ys = [], []
+    for k in range(1, MAX_DRAFTS + 1):
+        r = SpecResult()
+        times = gaps(stream_mtp(model, mtp, ids, 2 + rounds * (k + 1), draft_tokens=k, result=r))
+        for (drafted, _, _), t in zip(r.trace[1:], times):
+            xs.append(drafted)
+            ys.append(t / t0 - 1)
+    return max(sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1), 0.01)
