@@ -10,10 +10,10 @@ from .chat import Chat, build_prompt
 from .conversation import Conversation
 from .model import Model
 from .mtp import MTP, generate_mtp
-from .sample import generate, stream
+from .sample import Sampling, generate, stream
 from .weights import Config, find_model, load_config, load_weights
 
 __all__ = [
-    "MTP", "Chat", "Config", "Conversation", "Model", "State", "build_prompt", "find_model", "generate", "generate_batch",
+    "MTP", "Chat", "Config", "Conversation", "Model", "Sampling", "State", "build_prompt", "find_model", "generate", "generate_batch",
     "generate_mtp", "load_config", "load_weights", "stream",
 ]

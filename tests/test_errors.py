@@ -138,14 +138,14 @@ def test_find_model_offline_nothing_cached(tmp_path):
 
 
 def test_compile_without_a_working_compiler(tiny, monkeypatch):
-    """compile=True 而这台机器编译不了 C++ 的 matvec（比如没有 C++ 编译器）：加载时就给出说明与办法，而不是从 torch 深处报错。"""
+    """layout="graphs"（旧的 compile=True）而这台机器编译不了 C++ 的 matvec（比如没有 C++ 编译器）：加载时就给出说明与办法，而不是从 torch 深处报错。"""
     import qwen.fast.kernel as kernel
 
     def broken(cxx):
         raise RuntimeError("编译 matvec.cpp 失败：g++: command not found")
 
     monkeypatch.setattr(kernel, "load_kernel", broken)
-    with pytest.raises(RuntimeError, match="compile=True 要用这台机器的 C\\+\\+ 编译器.*command not found.*compile=False"):
+    with pytest.raises(RuntimeError, match="分块布局.*要用这台机器的 C\\+\\+ 编译器.*command not found.*layout=\"packed\""):
         load_model(tiny[0], layout="graphs", dtype=torch.float32)
 
 

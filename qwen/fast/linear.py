@@ -2,10 +2,10 @@
 
 解码一个 token 要把全部权重从内存读一遍，速度的上限是“权重字节数 ÷ 内存带宽”；矩阵乘法怎么读权重决定了离上限多远。
 
-- PackedLinear（compile=False，或这台机器编译不了时）：PyTorch 在 CPU 上把 bfloat16 矩阵乘法交给 oneDNN，而 oneDNN 每次调用都先把 [out, in] 的权重
+- PackedLinear（layout="packed"，或这台机器编译不了 C++ 时）：PyTorch 在 CPU 上把 bfloat16 矩阵乘法交给 oneDNN，而 oneDNN 每次调用都先把 [out, in] 的权重
   重排成它的分块布局：权重实际被读写了三遍。加载时重排一次（_reorder_linear_weight），之后每次只读一遍，
   1 到 8 行输入（投机解码一次验证几个 token）读的都是同样一遍权重。bfloat16 内核在 4 行时读得最快，不足 4 行就补零行。
-- BlockedLinear（默认，能编译时）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；matvec.cpp 的小循环（kernel.py
+- BlockedLinear（layout="blocked" 与 "graphs"，能编译 C++ 时默认）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；matvec.cpp 的小循环（kernel.py
   编译一次）逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。两个线程各自顺序读自己那一半，硬件预取最顺手。
   行数多时（长的预填充）每个乘加读到的权重少，就先拼回普通布局交给 F.linear。
 - gemv：一行输入乘普通布局的权重时绕开 oneDNN，用 PyTorch 自己的 gemv（草稿头给输出头的前几万行打分时用）。
@@ -86,8 +86,8 @@ def load_matvec(cxx: str | None = None):
         return kernels.load_kernel(cxx or find_compiler())
     except Exception as e:
         raise RuntimeError(
-            f"compile=True 要用这台机器的 C++ 编译器（g++ 或 clang）编译 qwen/fast/matvec.cpp 并加载，但失败了："
-            f"{type(e).__name__}: {str(e)[:300]}。compile=False 就用 oneDNN 打包的布局。"
+            f"分块布局（layout=\"blocked\" 或 \"graphs\"）要用这台机器的 C++ 编译器（g++ 或 clang）编译 qwen/fast/matvec.cpp "
+            f"并加载，但失败了：{type(e).__name__}: {str(e)[:300]}。layout=\"packed\" 就用 oneDNN 打包的布局。"
         ) from None
 
 
@@ -102,7 +102,7 @@ def find_compiler() -> str | None:
 
 
 def can_compile() -> bool:
-    """from_pretrained 默认（compile=None）用不用分块布局：这台机器有 C++ 编译器、编得出并加载得了内核才用（第一次编译，
+    """qwen.fast.load 默认（layout="auto"）用不用分块布局：这台机器有 C++ 编译器、编得出并加载得了内核才用（第一次编译，
     之后从缓存加载）。编不了时在标准错误上说一次什么失败了、退回什么（warnings，每个进程一次），并把失败按要编的
     东西记在 record_file("compiler.json") 里——键是内核文件名里的指纹（源码、编译器、CPU、编译选项），之后加载不再试；
     源码（比如装上了缺的文件）、编译器或 CPU 换了，键就对不上，重新试一次。"""
