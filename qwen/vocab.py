@@ -62,7 +62,7 @@ def check_ids(ids, vocab_size: int, where: str) -> torch.Tensor:
 
 
 def draft_vocabulary(folder, vocab_size: int, draft_vocab="auto") -> tuple[torch.Tensor | None, str]:
-    """MTP.from_pretrained 的 draft_vocab → (起草打分的 token id（升序），None 为全词表；一句说明)。"""
+    """qwen.fast.load 的 draft_vocab → (起草打分的 token id（升序），None 为全词表；一句说明)。"""
     folder = Path(folder)
     if draft_vocab == "auto" and (folder / VOCAB_FILE).is_file():
         file = folder / VOCAB_FILE
