@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen import Config, Model, load_config
+from qwen import Config, load_config
 from qwen.bench import bytes_per_token, ideal, merge_rounds, random_checkpoint, report
-from qwen.mtp import MTP
+from qwen.fast import load, load_model
 from qwen.weights import safetensors_files
 
 
@@ -26,8 +26,8 @@ def test_random_checkpoint_has_the_released_layout(tmp_path):
     assert "model.language_model.embed_tokens.weight" in names and "lm_head.weight" not in names
     assert any(n.startswith("mtp.layers.0.") for n in names) and len(safetensors_files(path)) == 1
     assert load_config(path) == cfg
-    model = Model.from_pretrained(path, dtype=torch.float32, compile=False)
-    MTP.from_pretrained(cfg, path, dtype=torch.float32, compile=False)
+    model, mtp = load(path, layout="packed", dtype=torch.float32)
+    assert mtp is not None
     with torch.no_grad():
         layer = model.layers[0].linear_attn
         assert (layer.A_log.exp() >= 1).all() and layer.dt_bias.abs().sum() > 0
@@ -47,8 +47,8 @@ def test_bytes_per_token_from_the_shapes(tiny):
     matrices = 3 * deltanet + attention + c.num_hidden_layers * 3 * h * c.intermediate_size + c.vocab_size * h
     small = 3 * (qkv * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads + c.linear_value_head_dim)  # 卷积核、A_log、dt_bias、门控 norm
     small += 2 * c.head_dim + c.num_hidden_layers * 2 * h + h  # q_norm、k_norm；每层两个 norm；最后的 norm
-    for dtype, pack, compile in ((torch.bfloat16, True, False), (torch.float32, False, None), (torch.float32, True, True)):
-        model = Model.from_pretrained(tiny[0], dtype=dtype, pack=pack, compile=compile)
+    for dtype, layout in ((torch.bfloat16, "packed"), (torch.float32, "plain"), (torch.float32, "graphs")):
+        model = load_model(tiny[0], layout=layout, dtype=dtype)
         assert bytes_per_token(model) == (matrices + h) * dtype.itemsize + 4 * small
 
 
@@ -72,7 +72,7 @@ echo '[{"model_type": "qwen35 test F32", "avg_ts": '$ts'}]'
 
 
 def test_bench_runs_end_to_end(lively, tmp_path):
-    """一次小规模运行（float32：这时与 transformers、与 compile=False 的贪心输出都应逐 token 相同）：两个布局、
+    """一次小规模运行（float32：这时与 transformers、与 layout="packed" 的贪心输出都应逐 token 相同）：两个布局、
     transformers、llama.cpp（一个假的 llama-bench）、投机解码的全部组合，写出 JSON，并且报告能读。"""
     out = tmp_path / "b.json"
     fake = tmp_path / "llama-bench"

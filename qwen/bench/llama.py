@@ -1,0 +1,36 @@
+"""附录 · 基准测试：llama.cpp 的 llama-bench（同样的权重转成 GGUF、同样的线程数），与 qwen 轮流测。"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .probe import PROMPT_LEN
+
+
+def find_gguf(args) -> Path | None:
+    """--gguf 给的文件；没给时在模型文件夹里找唯一的一个 .gguf。"""
+    if args.gguf:
+        return Path(args.gguf)
+    found = sorted(Path(args.model).glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
+def run_llama(args, gguf: Path) -> dict | None:
+    """llama.cpp 的 llama-bench，与 qwen 同样的线程数：解码 tokens 个 token（前面已有 PROMPT_LEN 个 token 的上下文，
+    与 qwen 的提示词一样长）与 prefill 个 token 的预填充。返回 tok/s；找不到程序或失败时打印原因、返回 None。"""
+    exe = Path(args.llama_cpp) / "llama-bench"
+    out = {}
+    for key, flags in (("decode_tok_s", ["-p", "0", "-n", str(args.tokens), "-d", str(PROMPT_LEN)]),
+                       ("prefill_tok_s", ["-p", str(args.prefill), "-n", "0"])):
+        cmd = [str(exe), "-m", str(gguf), "-t", str(args.threads), "-r", "2", "-o", "json"] + flags
+        print(f"  测 llama.cpp {key.split('_')[0]}（{gguf.name}）…", file=sys.stderr, flush=True)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            out[key] = json.loads(p.stdout)[0]["avg_ts"]
+            out["type"] = json.loads(p.stdout)[0]["model_type"]
+        except (OSError, ValueError, IndexError, KeyError) as e:
+            print(f"  llama.cpp 失败（{' '.join(cmd)}）：{type(e).__name__} {e}\n{getattr(p, 'stderr', '')[-1000:]}",
+                  file=sys.stderr)
+            return None
+    return out
