@@ -46,8 +46,7 @@ class MTP(nn.Module):
         return self.norm(self.layers[0](x.float(), cos, sin, state)).to(emb_next.dtype)
 
     def draft(self, model, pending: "Drafter", k: int, pick: "Sampler"):
-        """起草 k 个 token → (草稿列表, 每个草稿的分布 q 或 None)。先吃掉 pending 里草稿头还没见过的 (e_{t+1}, h_t) 对，
-        之后草稿头吃自己的输出（它的 x 当作下一步的 h），再猜下一个。"""
+        """起草 k 个 → (草稿, 各自的分布 q 或 None)：先吃掉 pending 里的 (e_{t+1}, h_t) 对，再吃自己的输出（x 当下一步的 h）。"""
         pending.cache.truncate(pending.start)  # 丢掉上一轮递归起草留下的推测条目
         x = self(model.embed_tokens(pending.tokens), pending.hidden, pending.start, pending.cache)[:, -1:]  # [1, 1, h]
         end = pending.start + pending.tokens.shape[1]  # 吃掉了：之后从 end（这一轮的开始）重新攒
@@ -87,8 +86,7 @@ class SpecResult:
     def acceptance(self) -> float:
         return self.hits / self.drafted if self.drafted else 0.0
 
-    def record(self, k: int, n: int, emitted: list, forwards: int):
-        """记下一轮：起草 k 个，前 n 个通过验证，输出 emitted（停止符或预算可能截掉通过的草稿），主模型前向了几次。"""
+    def record(self, k: int, n: int, emitted: list, forwards: int):  # 一轮：起草 k 个，前 n 个通过，输出 emitted（可能被截短）
         for i in range(min(n + 1, k)):  # 第 i+1 个草稿真的被检验过（它前面的都通过了）；前 n 个通过
             self.tried_at[i] += 1
             self.accepted_at[i] += i < n
@@ -121,6 +119,11 @@ class Drafter:
         self.tokens = torch.cat([self.tokens, torch.tensor([tokens], device=self.tokens.device)], 1)
 
 
+def forward_hidden(model, ids, state):  # → (logits [B, T, V] float32：验证要它, 最后一次 norm 之后的 [B, T, h]：草稿头要它)
+    h = model.hidden(ids, state)
+    return model.lm_head(h).float(), h
+
+
 def verify(drafts, qs, logits, pick: Sampler):
     """主模型的 logits [k+1, V] 检验 k 个草稿 → (接受数 n, d₁…d_n 加一个主模型的 token)；罚重复时前面的草稿也算生成过。
     “贪心时输出不变”要求第 i 行与逐个解码时逐位相同：换个求和顺序就可能翻转持平的 argmax（普通模型只差在舍入之内）。"""
@@ -139,16 +142,14 @@ def verify(drafts, qs, logits, pick: Sampler):
 
 
 def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRAFTS) -> int:
-    """按观察到的接受率 a 挑每轮起草几个 k：最大化 每轮期望产出 (1 − a^(k+1)) / (1 − a) ÷ 每轮代价 1 + cost·k。
-    a 用第一个草稿位置的接受次数估计，先验是“2 次里对 1 次”。返回 0 是这一轮不起草（a 低于 cost 时起草也不划算）。"""
+    """按接受率 a（第一个草稿位置的，先验“2 次里对 1 次”）挑 k：最大化 (1 − a^(k+1)) / (1 − a) ÷ (1 + cost·k)；0 是不起草。"""
     a = min((accepted + 1) / (tried + 2), 0.99)
     return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
 
 
 def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, pick: Sampler, stop, budget: int,
                recompute: bool = False):
-    """一轮：起草 k 个 → 一次前向验证 → 接受一致的前缀 → 提交状态（或回滚）。last：上一轮输出、主模型还没读的 token；
-    budget：还能输出几个。返回 (通过的草稿数, 本轮的 token, 前向次数)。"""
+    """一轮：起草 k 个 → 一次前向验证 [last, d₁…] → 接受一致的前缀 → 提交（或回滚）→ (通过数, 本轮的 token, 前向次数)。"""
     # 1. 起草（k = 0 时这一轮就是普通解码）
     drafts, qs = mtp.draft(model, drafter, k, pick) if k > 0 else ([], [])
     # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
@@ -157,8 +158,8 @@ def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, pi
     snap = snapshot(state) if recompute else None
     if not recompute and k > 0:
         keep_history(state)
-    h = model.hidden(feed, state)  # [1, k+1, h]：草稿头要最后一次 norm 之后的隐藏状态，验证要 logits
-    logits, forwards = model.lm_head(h).float(), 1  # [1, k+1, V]
+    logits, h = forward_hidden(model, feed, state)  # [1, k+1, V]、[1, k+1, h]
+    forwards = 1
     # 3. 接受最长的一致前缀，再加一个主模型的 token；停止符（含）之后的、超出预算的不要
     n, new = verify(drafts, qs, logits[0], pick)
     m = min(next((i + 1 for i, t in enumerate(new) if t in stop), len(new)), budget)
@@ -178,9 +179,8 @@ def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, pi
 @torch.inference_mode()
 def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, draft_tokens=None,
                recompute=False, result=None, state=None, drafter=None, history=(), draft_cost=None, **settings):
-    """逐轮产出这一轮的新 token（被接受的草稿连同主模型补的那个），细节记进 result（SpecResult）。draft_tokens=None：按
-    接受率自动挑；recompute=True：快照 + 重算回滚（对照）。接着已有的对话时 state 已读过 history，drafter 是草稿头读过它们
-    的缓存与待送的最后一个 h；ids 是新来的 token。draft_cost：每轮问一次的函数，给出多起草一个的代价（默认 mtp.draft_cost）。"""
+    """逐轮产出新 token（接受的草稿与主模型补的一个），细节记进 result。draft_tokens=None：按接受率挑；recompute：存档 + 重算。
+    接着对话时 state 已读过 history，drafter 是草稿头这一边；draft_cost：每轮问一次的代价函数（默认 mtp.draft_cost）。"""
     t0, s = time.perf_counter(), Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):

@@ -106,7 +106,7 @@ def test_bench_runs_end_to_end(lively, tmp_path):
                 assert s["first_acceptance"] == s["acceptance"]
             assert 0 < s["seconds"] < s["seconds_total"] and 0 < s["plain_seconds"] < s["plain_seconds_total"]
     assert run["packed_agreement"] == 1.0 and run["greedy_agreement"] == 1.0  # 两种布局、transformers 逐 token 相同
-    assert "投机解码" in p.stdout and "| float32 |" in p.stdout and "| float32 compile=False |" in p.stdout
+    assert "投机解码" in p.stdout and "| float32 |" in p.stdout and "| float32 packed |" in p.stdout
     assert f"| qwen float32 | {run['qwen']['decode_tok_s']:.1f}（{run['qwen']['decode_tok_s'] / 20:.2f}×） |" in p.stdout
     assert report(res).splitlines()[0].startswith("机器：")
 

@@ -64,7 +64,7 @@ def child(args, which: str, dtype: str, spec: bool = True, packed: bool = False)
         cmd.append("--no-spec")
     if packed:
         cmd.append("--packed")
-        which += " compile=False"
+        which += " packed"
     print(f"  测 {which}（{dtype}）…", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)

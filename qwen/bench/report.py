@@ -27,9 +27,8 @@ def ideal(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-# 每种 dtype 测的 qwen：默认的 layout="auto"；oneDNN 打包的 layout="packed"。后者的标签仍是它的旧名字 compile=False：
-# 表格与 docs/perf-history.md 里以前的运行逐行可比
-VARIANTS = {"qwen": "", "qwen_packed": " compile=False"}
+# 每种 dtype 测的 qwen：默认的 layout="auto"；oneDNN 打包的 layout="packed"（docs/perf-history.md 里较早的运行叫它 compile=False）
+VARIANTS = {"qwen": "", "qwen_packed": " packed"}
 
 
 def report(res: dict) -> str:
@@ -125,7 +124,7 @@ def plot(res: dict, file: Path) -> bool:
     packed = (res["runs"]["bfloat16"].get("qwen_packed") or {}).get("spec") or []
     auto = [s for s in packed if s["k"] == "auto"]
     if auto:
-        ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s--", color="C4", label="auto k, compile=False")
+        ax.plot([s["a"] for s in auto], [s["speedup"] for s in auto], "s--", color="C4", label="auto k, packed")
     course = [s for s in spec if s["course"]]
     ax.plot([s["a"] for s in course], [s["speedup"] for s in course], "x--", color="C3", label="course (k=1)")
     ax.axhline(1.0, color="gray", lw=0.8)
