@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from qwen import Chat, Conversation, Model, generate
+from qwen import Chat, generate
+from qwen.fast import load_draft, load_model
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -108,8 +109,8 @@ def served(lively):
     from qwen.serve.api import Server
     from qwen.serve.engine import Engine
 
-    model = Model.from_pretrained(lively[0], dtype=torch.float32)  # 默认路径：分块布局、C++ 的 matvec
-    mtp = Conversation(Chat(model)).mtp
+    model = load_model(lively[0], dtype=torch.float32)  # 默认路径：分块布局、C++ 的 matvec
+    mtp = load_draft(model)
     assert mtp is not None
     engine = Engine(model, mtp, slots=4, cache_mb=64)
     assert engine.batcher is not None
@@ -129,7 +130,7 @@ def plain():
     from qwen.serve.api import Server
     from qwen.serve.engine import Engine
 
-    engine = Engine(Model.from_pretrained("demo", dtype=torch.float32), None, slots=2, cache_mb=16)
+    engine = Engine(load_model("demo", dtype=torch.float32), None, slots=2, cache_mb=16)
     server = Server(NAME, max_tokens=64)
     server.ready(engine)
     assert not server.chat.templated
@@ -217,12 +218,12 @@ def test_shared_rows_equal_each_request_alone(lively, quantize):
     """服务的共用行（RowBatcher + forward_many）在 bfloat16 与 int8 上也与每个请求单独运行时逐 token 相同：普通解码与
     投机解码（验证的 k+1 行与别人的行一起乘）都是。4 个线程先都进了对齐再开始，所以每一步都确定地拼在一起。"""
     from qwen.mtp import generate_mtp
-    from qwen.serve.rows import share_rows
+    from qwen.serve.batcher import share_rows
 
-    model = Model.from_pretrained(lively[0], dtype=torch.bfloat16, quantize=quantize)
+    model = load_model(lively[0], dtype=torch.bfloat16, quantize=quantize)
     assert model.layers[0].mlp.down_proj.blocks.dtype == (torch.int8 if quantize else torch.bfloat16)
-    chat = Chat(model, mtp=False)
-    mtp = Conversation(Chat(model)).mtp
+    chat = Chat(model)
+    mtp = load_draft(model)
     prompts = [chat.encode(chat.prompt([{"role": "user", "content": q}])) for q in QUESTIONS[:4]]
     runs = {"plain": lambda p: generate(model, p, 40), "mtp": lambda p: generate_mtp(model, mtp, p, 40, draft_tokens=2)[0]}
     alone = {name: [run(p) for p in prompts] for name, run in runs.items()}
@@ -258,7 +259,7 @@ def test_a_drafting_request_is_not_starved(served):
 
 def test_drafting_costs_more_in_a_batch(served):
     """贪心的请求与别的请求一起生成时，多起草一个 token 按 BATCHED_DRAFT_COST 倍的代价算（接受率不够高就不起草）。"""
-    from qwen.serve.engine import BATCHED_DRAFT_COST
+    from qwen.serve.schedule import BATCHED_DRAFT_COST
 
     _, engine, _, _ = served
     with engine.lock:
@@ -271,6 +272,16 @@ def test_drafting_costs_more_in_a_batch(served):
         engine.running.clear()
         engine.running.update(saved)
     assert alone == engine.mtp.draft_cost and together == BATCHED_DRAFT_COST * alone > alone
+
+
+def test_the_engine_leaves_the_shared_model_as_it_was(served):
+    """引擎不改共用的模型：长提示词由它自己按 PROMPT_PIECE 一段段读（一段不多于 model.piece，模型不再把它切开）。"""
+    from qwen.serve.engine import Engine
+    from qwen.serve.schedule import PROMPT_PIECE
+
+    _, engine, _, _ = served
+    before = engine.model.piece
+    assert Engine(engine.model, engine.mtp, slots=1, cache_mb=1).piece == PROMPT_PIECE <= before == engine.model.piece
 
 
 def test_seeded_sampling_alone_and_in_a_batch(served):
@@ -455,7 +466,7 @@ def test_tool_call_round_trip_in_the_openai_shape(served, monkeypatch):
 
 def test_completions_and_the_tool_call_reader(served):
     """/v1/completions 原样续写；模型写的 <tool_call> 块解析成 tool_calls（参数是 JSON 字符串），思考放进 reasoning_content。"""
-    from qwen.serve.api import Reader
+    from qwen.serve.reader import Reader
 
     client, _, server, _ = served
     c = client.completions.create(model=NAME, prompt="def add(a, b):", max_tokens=6, temperature=0)

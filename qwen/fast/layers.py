@@ -30,7 +30,8 @@ from .padded import PaddedRows
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
 VERIFY_ROWS = max(DECODE_LENGTHS)  # 不多于这么多个 token 时逐个位置地算（DeltaNet 递推、注意力逐个查询）：与解码逐位相同
 # DeltaNet 层不多于这么多个 token 时逐个位置地调用 C++ 的 deltanet_step（FastDeltaNet.step）：验证草稿（不多于 VERIFY_ROWS）
-# 必须这样算（与解码逐位相同）；短的提示词也这样读，32 个以内不比分块形式（第 8 章）慢，而且调用时放开 GIL
+# 必须这样算（与解码逐位相同）；短的提示词也这样读，这么短时不比分块形式（第 8 章）慢，而且调用时放开 GIL。它也是一次
+# 前向能与别的请求拼在一起的上限（can_share），服务的调度（qwen/serve/schedule.py）按同一个数把长提示词放在对齐之外读
 STEP_ROWS = 32
 COMPILED_PIECE = 512  # 编译的路径上长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
 
@@ -224,7 +225,7 @@ class PackedModel(PaddedRows, Model):
 
 
 class FastDecoderLayer(DecoderLayer):
-    rows = None  # 服务时（qwen/serve/rows.py 的 RowBatcher）：几个请求的同一层拼成一次 forward_many
+    rows = None  # 服务时（qwen/serve/batcher.py 的 RowBatcher）：几个请求的同一层拼成一次 forward_many
 
     @property
     def dtype(self) -> torch.dtype:

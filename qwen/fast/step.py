@@ -60,7 +60,7 @@ class FastModel(PackedModel):
     其余（以及不编译时）照第 10 章，RoPE 表逐个位置地算（PackedModel）。"""
 
     step_lengths = ()  # 哪些 token 数走编译的一步（没编译时没有）
-    rows = None  # 服务时（qwen/serve/rows.py 的 RowBatcher）：几个请求的全部解码层一次算完（layers_many）
+    rows = None  # 服务时（qwen/serve/batcher.py 的 RowBatcher）：几个请求的全部解码层一次算完（layers_many）
 
     def compile_steps(self, lengths) -> None:
         self.step_lengths = tuple(lengths)

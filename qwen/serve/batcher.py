@@ -1,4 +1,4 @@
-"""附录 · 服务（一）：几个请求共用一次读权重。
+"""附录 · 服务（一）：几个请求共用一次读权重（RowBatcher；调度的决定在 schedule.py）。
 
 CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）：读一遍权重乘 4 行输入，与乘 1 行差不多贵。连续批处理
 （continuous batching：Yu 等 2022 的 Orca；vLLM、SGLang、llama-server 都这样做）让正在生成的几个请求每一步一起前向。
@@ -6,12 +6,11 @@ CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）�
 我们要它不改变任何一个请求的输出：一个请求与别的请求一起算时，每个 token 都与它单独运行时逐位相同。做法是：
 - 每个请求在自己的线程里跑单个请求的代码（第 12 章的 stream、第 14 章的 stream_mtp），用自己的 State；
 - 线程走到主模型的解码层（全部 24 层是一件事：FastModel.run_layers）、草稿头的解码层，或层外的一个矩阵乘法（输出头、
-  草稿头的 fc 与起草词表）时，把这一件事交给 RowBatcher 等着；所有线程都在等时，RowBatcher 自己的线程（loop，调度的
+  草稿头的 fc 与起草词表）时，把这一件事交给 RowBatcher 等着；所有线程都在等时，RowBatcher 自己的线程（step，调度的
   一步）把同一件事的几份一次算完（附录 qwen/fast 的 FastModel.layers_many 逐层调用 FastDecoderLayer.forward_many），
   算完按请求分回去。一层之内范数与矩阵乘法对拼起来的行算一次（C++ 的内核每行各算各的，结果与一次算几行无关：投机解码
   验证的行与单独解码的行逐位相同，靠的也是这一点），各请求的状态（注意力的缓存、DeltaNet 的记忆）各算各的；
-- 每一步只算前向顺序里最靠前的那一件（order）：走在前面的请求等一等落在后面的，几步之后大家走到同一层，之后就一直
-  一起走。若每步把各人等着的都算掉，中途加入的请求永远与别人错开几层，一次也拼不上。
+- 一步（step）算哪一件、什么时候算，是 schedule.py 的事：参与者都在等时，前向顺序里最靠前的那一件。
 
 各层由一个线程算：线程之间不必为 24 层里的几百个小运算抢 GIL（Python 一次只让一个线程跑），每个请求只剩嵌入、RoPE
 表、采样这些每个 token 一次的小事；主模型的全部层是一件事，一步只交接一次（一层一件时，每层都要叫醒各请求的线程、再等它们
@@ -23,6 +22,11 @@ import threading
 from contextlib import contextmanager
 
 import torch
+
+from ..fast.layers import FastDecoderLayer
+from ..fast.linear import BlockedLinear
+from ..fast.step import FastModel
+from .schedule import everyone_waits, forward_order, next_jobs
 
 
 class Waiting:
@@ -40,8 +44,8 @@ class Waiting:
 
 class RowBatcher:
     """让参与的线程（member 之内）的解码层与层外的 matvec 对齐：所有参与者都在等时，同一层（或同一个矩阵）的几件事
-    由 RowBatcher 自己的一个线程（loop）一次算完。matvec 的接口与 qwen/fast 的 Kernel.matvec 相同，换进 BlockedLinear
-    就行；解码层由 FastDecoderLayer.rows 交过来（layer）。模型代码一行不改。
+    由 RowBatcher 自己的一个线程一次算完（loop 一步一步地走：step）。matvec 的接口与 qwen/fast 的 Kernel.matvec 相同，
+    换进 BlockedLinear 就行；解码层由 FastDecoderLayer.rows 交过来（layer）。模型代码一行不改。
 
     总由同一个线程来算：C++ 内核与 PyTorch 的多线程（OpenMP）每个发起的线程各有一队帮手线程，算完还要空转一会儿等下一件；
     谁最后到谁来算的话，几个请求线程的几队帮手在两个核上互相抢。"""
@@ -50,7 +54,7 @@ class RowBatcher:
         self.kernel = kernel
         self.order = order or {}  # id(blocks 或层) → 它在前向里的先后（越小越先算）
         self.lock = threading.Lock()
-        self.ready = threading.Condition(self.lock)  # 参与者都在等了：叫醒 loop
+        self.ready = threading.Condition(self.lock)  # 参与者都在等了：叫醒 step
         self.members = set()  # 参与对齐的线程
         self.waiting = []  # 正在等的 Waiting，每个参与者至多一个
         self.calls = 0  # 统计：算了几次
@@ -104,38 +108,35 @@ class RowBatcher:
         return job.out
 
     def loop(self, threads: int):
-        """调度：参与者都在等时，取前向顺序里最靠前的那一层（或矩阵），等它的几件事一次算完，结果按请求分回去，叫醒交了
-        这几件事的线程（等别的的接着等）。"""
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # OpenMP 的线程数是每个线程各自的设定
         while True:
-            with self.lock:
-                while not self.waiting or len(self.waiting) < len(self.members):
-                    self.ready.wait()
-                first = min(self.waiting, key=lambda j: self.order.get(id(j.key), len(self.order)))
-                jobs = [j for j in self.waiting if j.key is first.key]
-                self.waiting = [j for j in self.waiting if j.key is not first.key]
-            try:
-                with torch.inference_mode():
-                    outs = first.run([j.args for j in jobs])
-                for job, out in zip(jobs, outs):
-                    job.out = out
-                self.calls += 1
-                self.jobs += len(jobs)
-            except Exception as e:  # 交给每个等着的线程自己抛出
-                for job in jobs:
-                    job.error = e
-            for job in jobs:  # 叫醒这几个线程
-                job.done.set()
+            self.step()
+
+    def step(self):
+        """调度的一步：等到参与者都交上了一件事，取前向顺序里最靠前的那一件的几份（schedule.py），一次算完，结果按请求
+        分回去，叫醒交了这几件的线程（等别的的接着等）。出错时每个等着的线程自己抛出。"""
+        with self.lock:
+            while not everyone_waits(self.waiting, self.members):
+                self.ready.wait()
+            jobs = next_jobs(self.waiting, self.order)
+            self.waiting = [j for j in self.waiting if j.key is not jobs[0].key]
+        try:
+            with torch.inference_mode():
+                outs = jobs[0].run([j.args for j in jobs])
+            for job, out in zip(jobs, outs):
+                job.out = out
+            self.calls += 1
+            self.jobs += len(jobs)
+        except Exception as e:
+            for job in jobs:
+                job.error = e
+        for job in jobs:
+            job.done.set()
 
 
 def share_rows(*models) -> RowBatcher | None:
     """让模型（和草稿头）的解码层与层外的矩阵都经过同一个 RowBatcher；没有分块布局（打包的路径、普通模型）时返回 None：
     那时各请求照样各算各的，只是不共用读权重。"""
-    from ..fast.layers import FastDecoderLayer
-    from ..fast.linear import BlockedLinear
-    from ..fast.step import FastModel
-    from ..mtp import MTP
-
     models = [m for m in models if m is not None]
     layers = [layer for m in models for layer in m.layers
               if isinstance(layer, FastDecoderLayer) and isinstance(layer.mlp.down_proj, BlockedLinear)]
@@ -153,19 +154,5 @@ def share_rows(*models) -> RowBatcher | None:
             model.rows = batcher
     for m in outside:  # 输出头、起草词表的那几行、草稿头的 fc：这些矩阵乘法本身在线程之间对齐
         m.kernel = batcher
-    # 草稿头的在前：起草的请求先把草稿头的几件事算完，再与别的请求在主模型会合、一起验证。排在主模型之后的话，只要别的
-    # 请求还在一个接一个 token 地解码（总在主模型那里等着），起草的请求就一直轮不到
-    order = [m for model in sorted(models, key=lambda m: not isinstance(m, MTP)) for m in forward_order(model)]
-    batcher.order = {id(m.blocks if isinstance(m, BlockedLinear) else m): i for i, m in enumerate(order)}
+    batcher.order = forward_order(models)  # 草稿头的在前（schedule.py）
     return batcher
-
-
-def forward_order(model):
-    """模型（或草稿头）一次前向经过的：主模型是全部解码层（模型本身交过来），再是输出头；草稿头先乘 fc，再是它的
-    解码层，最后是起草词表的那几行。"""
-    from ..fast.step import FastModel
-
-    if isinstance(model, FastModel):
-        return [model, model.lm_head]
-    out = [getattr(model, "fc", None), *model.layers, getattr(model, "draft_head", None)]
-    return [m for m in out if m is not None and (hasattr(m, "blocks") or hasattr(m, "forward_many"))]

@@ -1,0 +1,146 @@
+"""附录 · 服务：每条消息与每个工具。角色、字段、类型都查：不认识的 400，不支持的说明并拒绝（图像、strict 的工具、
+tool_choice 不是 "auto"……），不默默忽略。没有对话模板的检查点（demo）把各条消息的内容原样接起来续写：系统与工具消息、
+tools、工具调用与思考都无处可放，也是 400。"""
+
+import re
+
+from .body import parse_json, top
+from .errors import ApiError, show
+
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # 函数名：OpenAI 的规则另加 “.”；写进 <function=…> 也不会出错
+MESSAGE_KEYS = {"system": {"role", "content"}, "user": {"role", "content"},
+                "assistant": {"role", "content", "tool_calls", "reasoning_content"},
+                "tool": {"role", "content", "tool_call_id"}}
+EMPTY_KEYS = {"refusal", "function_call", "audio", "annotations"}  # OpenAI 回答里的这些常是 null：原样送回时为空就收
+NO_TEMPLATE = "这个检查点没有对话模板（比如 demo）：各条消息的内容原样接起来让它续写，"
+
+
+def content_text(m: dict, where: str) -> str:
+    """消息的 content → 文字：字符串，或 [{"type": "text", "text": …}] 分段（拼起来）。助手的可以没有（只有工具调用时）。"""
+    content = m.get("content")
+    if content is None:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            return ""
+        raise ApiError(400, f"{where}.content 缺少或为 null：{m['role']} 消息要有文字", "messages")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content 应为字符串或文字分段的列表，收到 {show(content)}", "messages")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str) \
+                or set(part) - {"type", "text"}:
+            raise ApiError(400, f"{where}.content[{j}] 应为 {{\"type\": \"text\", \"text\": …}}（这里不支持图像、音频与文件），"
+                                f"收到 {show(part)}", "messages")
+    return "".join(part["text"] for part in content)
+
+
+def function_name(name, where: str) -> str:
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise ApiError(400, f"{where} 应为 1 到 64 个字母、数字、_、.、- 组成的函数名，收到 {show(name)}", top(where))
+    return name
+
+
+def arguments(value, where: str) -> dict:
+    """工具调用的参数：OpenAI 的写法是 JSON 字符串（"{\\"city\\": \\"Paris\\"}"），也收对象；都要是 JSON 对象。"""
+    if isinstance(value, str):
+        value = parse_json(value, where) if value.strip() else {}
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{where} 应为 JSON 对象（或写着 JSON 对象的字符串），收到 {show(value)}", "messages")
+    for key in value:
+        if not key or any(c in key for c in "<>\n"):
+            raise ApiError(400, f"{where} 的参数名 {show(key)} 不能为空，也不能有 <、> 或换行", "messages")
+    return value
+
+
+def tool_calls(calls, where: str) -> list[dict]:
+    """助手消息里的工具调用（OpenAI 的写法）→ build_prompt 要的 {"function": {"name", "arguments": dict}}。"""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}.tool_calls 应为列表，收到 {show(calls)}", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or set(call) - {"id", "type", "function", "index"} \
+                or call.get("type", "function") != "function" or set(fn) - {"name", "arguments"}:
+            raise ApiError(400, f"{at} 应为 {{\"id\": …, \"type\": \"function\", \"function\": {{\"name\": …, "
+                                f"\"arguments\": …}}}}，收到 {show(call)}", "messages")
+        out.append({"type": "function", "function": {"name": function_name(fn.get("name"), f"{at}.function.name"),
+                                                     "arguments": arguments(fn.get("arguments"), f"{at}.function.arguments")}})
+    return out
+
+
+def check_message(m, i: int, templated: bool) -> dict:
+    """一条消息 → {"role", "content": 文字, 可选 "tool_calls"、"reasoning_content"}；不认识的角色、字段、类型都 400。"""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{where} 应为对象，收到 {show(m)}", "messages")
+    role = m.get("role")
+    if role not in MESSAGE_KEYS:
+        raise ApiError(400, f"{where}.role 应为 system、user、assistant、tool 之一，收到 {show(role)}", "messages")
+    extra = sorted(k for k in m if k not in MESSAGE_KEYS[role] and not (k in EMPTY_KEYS and not m[k]))
+    if extra:
+        raise ApiError(400, f"{where}（{role}）不支持字段 {', '.join(extra)}", "messages")
+    out = {"role": role, "content": content_text(m, where)}
+    if m.get("tool_calls"):
+        out["tool_calls"] = tool_calls(m["tool_calls"], where)
+    if m.get("reasoning_content") is not None:
+        if not isinstance(m["reasoning_content"], str):
+            raise ApiError(400, f"{where}.reasoning_content 应为字符串", "messages")
+        out["reasoning_content"] = m["reasoning_content"]
+    if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+        raise ApiError(400, f"{where}.tool_call_id 应为字符串", "messages")
+    if not templated and (role in ("system", "tool") or set(out) - {"role", "content"}):
+        what = f"{role} 消息" if role in ("system", "tool") else "工具调用与 reasoning_content"
+        raise ApiError(400, f"{where}：{NO_TEMPLATE}{what}放不进去", "messages")
+    return out
+
+
+def check_messages(messages, templated: bool) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, f"messages 应为非空的列表，收到 {show(messages)}", "messages")
+    return [check_message(m, i, templated) for i, m in enumerate(messages)]
+
+
+def check_tools(body, templated: bool) -> list | None:
+    """tools：每个是 {"type": "function", "function": {"name", "description", "parameters"}}；空列表等于没给。
+    tool_choice 只支持 "auto"（模型自己决定），parallel_tool_calls 只支持 true：别的我们做不到，就不收。"""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "auto"):
+        raise ApiError(400, f"tool_choice 只支持 \"auto\"（模型自己决定调不调工具），收到 {show(choice)}", "tool_choice")
+    if body.get("parallel_tool_calls") not in (None, True):
+        raise ApiError(400, "parallel_tool_calls 只支持 true：模型一次可以写几个工具调用", "parallel_tool_calls")
+    if tools is None or tools == []:
+        return None
+    if not templated:
+        raise ApiError(400, f"{NO_TEMPLATE}tools 放不进去", "tools")
+    if not isinstance(tools, list):
+        raise ApiError(400, f"tools 应为列表，收到 {show(tools)}", "tools")
+    names = set()
+    for j, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"} \
+                or set(fn) - {"name", "description", "parameters", "strict"}:
+            raise ApiError(400, f"tools[{j}] 应为 {{\"type\": \"function\", \"function\": {{\"name\": …, \"description\": …, "
+                                f"\"parameters\": {{…}}}}}}，收到 {show(tool)}", "tools")
+        name = function_name(fn.get("name"), f"tools[{j}].function.name")
+        if name in names:
+            raise ApiError(400, f"tools 里有两个 {name}", "tools")
+        names.add(name)
+        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("parameters", {}), dict):
+            raise ApiError(400, f"tools[{j}].function 的 description 应为字符串、parameters 应为对象（JSON Schema）", "tools")
+        if fn.get("strict"):
+            raise ApiError(400, f"tools[{j}]：不支持 strict（输出不受 JSON Schema 约束）", "tools")
+    return tools
+
+
+def thinking(body, templated: bool) -> bool:
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    value = kwargs.get("enable_thinking", False) if isinstance(kwargs, dict) else None
+    if not isinstance(value, bool) or set(kwargs) - {"enable_thinking"}:
+        raise ApiError(400, "chat_template_kwargs 只支持 {\"enable_thinking\": true/false}", "chat_template_kwargs")
+    if value and not templated:
+        raise ApiError(400, f"{NO_TEMPLATE}不会思考", "chat_template_kwargs")
+    return value

@@ -1,0 +1,165 @@
+"""附录 · 服务：HTTP 请求 → 引擎的 Request。每个字段在这里查一次（类型、范围、支不支持），坏的一律 400，说出是哪个
+字段、要什么、收到了什么；查过的请求进引擎之后不再查。采样的设置合成一个 Sampling（第 12 章）：每一项收不收由第 12 章
+的 RULES（Sampling.check）定，服务另在其上收窄到 OpenAI 的范围（API_RANGES）。"""
+
+from dataclasses import dataclass
+
+from ..conversation import cut_point
+from ..sample import RULES, Sampling
+from .body import flag, number, within
+from .engine import Request
+from .errors import ApiError, show
+from .messages import check_messages, check_tools, thinking
+from .reader import Reader
+
+SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "repetition_penalty")
+COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "seed", "stop", "user", "n",
+          "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", *SAMPLING}
+CHAT_FIELDS = COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                        "response_format"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+UNSUPPORTED = (("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("frequency_penalty", 0), ("echo", False),
+               ("suffix", ""), ("best_of", 1))  # 这些只能不给或是“关”的值：我们做不到，就不收
+MAX_STOP = 500  # 一个停止字符串至多这么多个字
+GREEDY_BELOW = 1e-5  # 比这还低的 temperature 按贪心算（与 vLLM 相同：再低 logits / temperature 就溢出了）
+# 服务收的范围：OpenAI（与 vLLM）给这几项的，比 RULES 窄——RULES 说的是模型能算什么，这里是服务收什么。收窄也是防线：
+# repetition_penalty 太小时罚过的 logits 除以它溢出成 inf，采样的分布成了 NaN，那就是 500 而不是 400。
+# top_k 另收 -1 与 0（vLLM 的写法：不截断，见 setting）
+API_RANGES = {"temperature": (0, 2), "top_p": (1e-6, 1), "top_k": (-1, None), "presence_penalty": (-2, 2),
+              "repetition_penalty": (0.01, 100)}
+
+
+@dataclass
+class Job:
+    """一个查过的请求：引擎的 Request、把 token 读回文字的 Reader、流不流式、要不要 usage 块、是不是对话。"""
+    request: Request
+    reader: Reader
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def check_common(body, fields, name: str):
+    """两个接口共有的：请求体是对象、没有不认识的字段、model 是这个服务的（name）、不支持的都没开。"""
+    if not isinstance(body, dict):
+        raise ApiError(400, "请求体应为 JSON 对象")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ApiError(400, f"不支持的字段 {', '.join(unknown)}", unknown[0])
+    model = body.get("model")
+    if model is not None and model != name:
+        raise ApiError(404, f"没有模型 {show(model)}：这里只有 {name!r}（见 GET /v1/models）", "model", "model_not_found")
+    if number(body, "n", 1, integer=True) not in (None, 1):
+        raise ApiError(400, "n 只支持 1：一次请求一个回答", "n")
+    for field, off in UNSUPPORTED:
+        value = body.get(field)
+        if value is not None and (value != off or isinstance(value, bool) != isinstance(off, bool)):
+            raise ApiError(400, f"不支持 {field}（只能不给或是 {show(off)}）", field)
+    if not isinstance(body.get("user", ""), str):
+        raise ApiError(400, "user 应为字符串", "user")
+
+
+def stream_flags(body) -> tuple[bool, bool]:
+    """(stream, include_usage)。stream_options 只能与 stream: true 一起给（与 OpenAI 相同）。"""
+    stream, options = flag(body, "stream"), body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise ApiError(400, "stream_options 只能与 \"stream\": true 一起用", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError(400, f"stream_options 应为 {{\"include_usage\": true/false}}，收到 {show(options)}", "stream_options")
+    return stream, flag(options, "include_usage")
+
+
+def stops(body) -> list[str]:
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP for s in stop):
+        raise ApiError(400, f"stop 应为一个非空字符串或至多 4 个非空字符串的列表（每个至多 {MAX_STOP} 个字）", "stop")
+    return stop
+
+
+def setting(body, name: str):
+    """采样的一项（没给或 null 时 None）。收不收由第 12 章的 Sampling.check（RULES）与 API_RANGES 一起定；不收时 400，
+    param 是这个字段，说的是服务收的类型与范围（refusal）。top_k 的 -1 与 0 是 vLLM 的写法：不截断。"""
+    value = body.get(name)
+    if value is None or name == "top_k" and type(value) is int and value in (-1, 0):
+        return None
+    low, high = served_range(name)
+    try:
+        Sampling.check(name, value)
+        ok = (low is None or low <= value) and (high is None or value <= high)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ApiError(400, refusal(name, value), name)
+    return value
+
+
+def served_range(name: str) -> tuple:
+    """服务收的范围 (下限, 上限)：API_RANGES 里有的用它，否则是 RULES 的（比如 seed 的 64 位）。"""
+    return API_RANGES.get(name) or RULES[name][1:3]
+
+
+def refusal(name: str, value) -> str:
+    """不收的一项怎么说：类型不对时要什么类型，否则要什么范围（JSON 的写法，与别的字段的错误一样）。"""
+    integer = RULES[name][0]
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return f"{name} 应为{'整数' if integer else '数'}，收到 {show(value)}"
+    low, high = served_range(name)
+    return f"{name} 应在 {within(low, high)} 之内，收到 {value}"
+
+
+def sampling(body, defaults: dict) -> Sampling:
+    """请求的采样设置：检查点推荐的（defaults，generation_config.json）之上，请求给了的几项覆盖它；seed 只来自请求。"""
+    given = {name: setting(body, name) for name in (*SAMPLING, "seed")}
+    if given["temperature"] is not None and given["temperature"] < GREEDY_BELOW:
+        given["temperature"] = 0
+    return Sampling(**(defaults | {k: v for k, v in given.items() if v is not None}))
+
+
+def request(ids, body, server, keep=None) -> Request:
+    """提示词的 token 与请求体 → 引擎的 Request。server：api.py 的 Server（defaults、max_tokens、max_prompt、chat）。"""
+    s = sampling(body, server.defaults)
+    longest = number(body, "max_completion_tokens", 1, server.max_tokens, integer=True)
+    limit = number(body, "max_tokens", 1, server.max_tokens, integer=True)
+    limit = longest or limit or min(512, server.max_tokens)
+    if len(ids) + limit > server.max_prompt:
+        raise ApiError(400, f"提示词 {len(ids)} 个 token 加上 max_tokens {limit} 超过上限 {server.max_prompt}：请缩短提示词"
+                            "或调小 max_tokens", "messages", "context_length_exceeded")
+    return Request(ids, limit, server.chat.stop, s, keep)
+
+
+def chat_job(body, server) -> Job:
+    """POST /v1/chat/completions 的请求体 → Job。引擎在最后一个用户问题的末尾留一份状态（cut_point）。"""
+    check_common(body, CHAT_FIELDS, server.name)
+    chat = server.chat
+    messages, tools = check_messages(body.get("messages"), chat.templated), check_tools(body, chat.templated)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "不支持 response_format（只能是 {\"type\": \"text\"}）", "response_format")
+    think = thinking(body, chat.templated)
+    try:
+        ids = chat.encode(chat.prompt(messages, think, tools))[0].tolist()
+        has_user = any(m["role"] == "user" for m in messages)
+        keep = cut_point(chat, messages, tools, ids) if has_user else None
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+    reader = Reader(chat.tk, think, stops(body), tools is not None)
+    return Job(request(ids, body, server, keep), reader, *stream_flags(body), chat=True)
+
+
+def completion_job(body, server) -> Job:
+    """POST /v1/completions 的请求体 → Job：原样续写 prompt，没有要留的状态。"""
+    check_common(body, COMPLETION_FIELDS, server.name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "prompt 应为非空字符串（一次一个）", "prompt")
+    try:
+        ids = server.chat.encode(prompt)[0].tolist()
+    except ValueError as e:
+        raise ApiError(400, str(e), "prompt") from None
+    reader = Reader(server.chat.tk, False, stops(body), False)
+    return Job(request(ids, body, server), reader, *stream_flags(body), chat=False)
