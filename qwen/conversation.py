@@ -91,10 +91,11 @@ class Resume:
 
 
 def cut_point(chat, messages, tools, tokens) -> int | None:
-    """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板时 None（不复用）。"""
-    if not chat.templated:
+    """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板或没有用户消息时 None（不复用）。"""
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    if not chat.templated or not users:
         return None
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+    last = users[-1]
     prefix = chat.encode(build_prompt(messages[: last + 1], tools=tools, add_generation_prompt=False))[0].tolist()
     return len(prefix) if tokens[: len(prefix)] == prefix else None
 
