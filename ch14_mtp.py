@@ -75,7 +75,7 @@ def at_least(low: int):
     return parse
 
 
-def main(argv=None):
+def arguments(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="检查点文件夹（默认 find_model()）")
     p.add_argument("--prompt", action="append", default=[], help="再加一个提示词（可重复）")
@@ -93,9 +93,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.compile is not None:
         args.layout = "graphs" if args.compile else "packed"
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return args
 
+
+def load_head(args):
+    """加载主模型与草稿头（附录的 qwen.fast.load），预热并量出起草的代价，打印草稿头的大小与设置。"""
     try:
         model, mtp = load(args.model, args.layout, args.quantize, DTYPES.get(args.dtype), draft_vocab=args.draft_vocab)
         if mtp is None:
@@ -106,7 +108,6 @@ def main(argv=None):
         print(f"预热与校准用了 {warm_up(model, mtp, calibrate=not args.draft_tokens):.1f} 秒\n")
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
-
     print(f"MTP 草稿头：{num_params(mtp) / 1e6:.2f}M 参数（与主模型共用嵌入；起草只乘输出头里起草词表的那几行）")
     for name, module in mtp.named_children():
         print(f"  {name}: {num_params(module) / 1e6:.2f}M")
@@ -119,36 +120,49 @@ def main(argv=None):
     print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{describe(model)}，"
           f"每轮起草：{how}\n")
 
+    return model, mtp, chat
+
+
+def main(argv=None):
+    args = arguments(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, mtp, chat = load_head(args)
     color = sys.stdout.isatty()
     for text in (PROMPTS if chat.templated else CODE_PROMPTS) + args.prompt:
-        ids = chat.encode(chat.prompt([{"role": "user", "content": text}]))
-        generate(model, ids, 2)  # 预热：第一次调用有一次性的开销
-        t0 = time.perf_counter()
-        plain = generate(model, ids, args.max_new_tokens, chat.stop)
-        t1 = time.perf_counter()
-        r = speculate(model, mtp, ids, args.max_new_tokens, chat.stop, draft_tokens=args.draft_tokens)
-        t2 = time.perf_counter()
-        a, b = t1 - t0, t2 - t1
-        print(f"提示词：{text!r}" if not chat.templated else f"提示词：{text}")
-        print(f"  普通贪心：{len(plain)} 个 token，{a:.2f} 秒，{len(plain) / a:.1f} token/s")
-        print(f"  投机解码：{len(r.tokens)} 个 token，{b:.2f} 秒，{len(r.tokens) / b:.1f} token/s")
-        ks = [d for d, _, _ in r.trace if d]
-        idle = f"，{r.rounds - len(ks)} 轮没有起草" if r.rounds > len(ks) else ""
-        print(f"  验证轮数 {r.rounds}，起草 {r.drafted}，接受 {r.hits}，接受率 {r.acceptance:.0%}，"
-              f"起草的轮平均每轮 {sum(ks) / max(len(ks), 1):.1f} 个{idle}")
-        if len(ks) and max(ks) > 1:
-            rates = ", ".join(f"{acc}/{tried}" for acc, tried in zip(r.accepted_at, r.tried_at))
-            print(f"  各草稿位置（接受/验证）：{rates}")
-        print(f"  输出逐 token 相同：{'是' if plain == r.tokens else '否'}")
-        if len(plain) > 1:
-            print(f"  一次验证 {min(len(plain), 5)} 个 token 与逐个解码的 logits 最大差：{verify_gap(model, ids, plain):.3g}")
-        answer = chat.decode([t for t in plain if t not in chat.stop])
-        print(f"  回答前 60 字：{answer[:60]!r}")
-        print(f"  加速比：{a / b:.2f}×")
-        if color:
-            print("  （绿色是草稿头猜对、白送的 token）")
-            print("  " + highlight(chat, r, color).replace("\n", "\n  "))
-        print()
+        compare(model, mtp, chat, text, args, color)
+
+
+def compare(model, mtp, chat, text: str, args, color: bool) -> None:
+    """一个提示词：普通贪心与投机解码各跑一遍，打印速度、接受率、是否逐 token 相同与加速比。"""
+    ids = chat.encode(chat.prompt([{"role": "user", "content": text}]))
+    generate(model, ids, 2)  # 预热：第一次调用有一次性的开销
+    t0 = time.perf_counter()
+    plain = generate(model, ids, args.max_new_tokens, chat.stop)
+    t1 = time.perf_counter()
+    r = speculate(model, mtp, ids, args.max_new_tokens, chat.stop, draft_tokens=args.draft_tokens)
+    t2 = time.perf_counter()
+    a, b = t1 - t0, t2 - t1
+    print(f"提示词：{text!r}" if not chat.templated else f"提示词：{text}")
+    print(f"  普通贪心：{len(plain)} 个 token，{a:.2f} 秒，{len(plain) / a:.1f} token/s")
+    print(f"  投机解码：{len(r.tokens)} 个 token，{b:.2f} 秒，{len(r.tokens) / b:.1f} token/s")
+    ks = [d for d, _, _ in r.trace if d]
+    idle = f"，{r.rounds - len(ks)} 轮没有起草" if r.rounds > len(ks) else ""
+    print(f"  验证轮数 {r.rounds}，起草 {r.drafted}，接受 {r.hits}，接受率 {r.acceptance:.0%}，"
+          f"起草的轮平均每轮 {sum(ks) / max(len(ks), 1):.1f} 个{idle}")
+    if len(ks) and max(ks) > 1:
+        rates = ", ".join(f"{acc}/{tried}" for acc, tried in zip(r.accepted_at, r.tried_at))
+        print(f"  各草稿位置（接受/验证）：{rates}")
+    print(f"  输出逐 token 相同：{'是' if plain == r.tokens else '否'}")
+    if len(plain) > 1:
+        print(f"  一次验证 {min(len(plain), 5)} 个 token 与逐个解码的 logits 最大差：{verify_gap(model, ids, plain):.3g}")
+    answer = chat.decode([t for t in plain if t not in chat.stop])
+    print(f"  回答前 60 字：{answer[:60]!r}")
+    print(f"  加速比：{a / b:.2f}×")
+    if color:
+        print("  （绿色是草稿头猜对、白送的 token）")
+        print("  " + highlight(chat, r, color).replace("\n", "\n  "))
+    print()
 
 
 if __name__ == "__main__":
