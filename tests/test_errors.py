@@ -262,3 +262,16 @@ def test_chapter_script_checks_its_arguments(args):
     done = subprocess.run([sys.executable, "ch14_mtp.py", *args], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 2 and f"argument {args[0]}" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--layout", "plain", "--quantize", "int8"], "不能与 layout='plain' 一起用"),
+    (["--compile", "--layout", "packed"], "--compile 即 --layout graphs，与 --layout packed 矛盾"),
+])
+def test_cli_layout_conflicts_are_refused(args, message):
+    """--layout 与 --quantize、旧的 --compile 矛盾时：一行说明，不是悄悄挑一个。"""
+    from qwen.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["你好", "--model", "demo", *args])
+    assert message in str(exit.value.code)
