@@ -36,7 +36,7 @@ def packed_model(tiny):
 
 @pytest.fixture(scope="module")
 def compiled_model(tiny):
-    """compile=True：分块布局、C++ 的 matvec，解码与验证 1～4 个草稿的一步编译成图（附录 step.py）。"""
+    """layout="graphs"：分块布局、C++ 的 matvec，解码与验证 1～4 个草稿的一步编译成图（附录 step.py）。"""
     model = load_model(tiny[0], layout="graphs", dtype=torch.float32)
     mlp = model.layers[0].mlp
     assert isinstance(mlp.gate_up, BlockedLinear) and isinstance(mlp.down_proj, BlockedLinear)
@@ -112,7 +112,7 @@ def test_fast_layout_incremental_equals_one_shot(tiny_model, request, which, ste
 
 
 def test_compiled_decode_does_not_recompile(compiled_model):
-    """compile=True：编译的层只按长度特化。KV 缓存扩容（第 256 个位置起）、卷积窗口、位置每步都变，都不引起重新编译
+    """layout="graphs"：编译的层只按长度特化。KV 缓存扩容（第 256 个位置起）、卷积窗口、位置每步都变，都不引起重新编译
     （注意力在 Attention.attend 处断开，第 6、9 章）；否则每次重新编译要几秒。"""
     from torch._dynamo.utils import counters
 
@@ -128,7 +128,7 @@ def test_compiled_decode_does_not_recompile(compiled_model):
 
 
 def test_compiled_speculation_equals_greedy_without_recompiling(lively):
-    """compile=True 的路径：warm_up 编译好解码、验证 1～4 个草稿、草稿头送进 1～5 对的各张图，并量出起草的代价；
+    """layout="graphs" 的路径：warm_up 编译好解码、验证 1～4 个草稿、草稿头送进 1～5 对的各张图，并量出起草的代价；
     之后投机解码（固定 k 与自动挑 k）与普通模型的贪心逐 token 相同，并且不再编译任何图。lively 的贪心续写多样
     （tiny 的总在重复一两个 token，相同说明不了什么）。"""
     from torch._dynamo.utils import counters
@@ -200,7 +200,7 @@ def test_unwritable_cache_still_gets_the_kernel(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize("which,tol", [("tiny_model", 1e-4), ("compiled_model", 1e-3)])
 def test_long_prompt_is_fed_in_pieces(tiny_model, request, which, tol):
     """带状态时长于一段（model.piece）的输入分段喂进去（第 10 章）：logits 与普通布局无状态的一次性前向相同。
-    compile=True 时两整段走编译的层（第一段从空状态开始，第二段接着它的状态），剩下的 70 个 token 走普通路径。"""
+    layout="graphs" 时两整段走编译的层（第一段从空状态开始，第二段接着它的状态），剩下的 70 个 token 走普通路径。"""
     from qwen.fast.layers import COMPILED_PIECE
     from qwen.model import PREFILL_PIECE
 
@@ -319,7 +319,7 @@ def test_packed_model_keeps_embedding_in_file(tiny, tiny_model):
     assert torch.equal(packed.embed_tokens(ids), tiny_model.embed_tokens(ids))
 
 
-# ---------- compile=True：分块布局与编译的 matvec ----------
+# ---------- layout="graphs"：分块布局与编译的 matvec ----------
 
 
 @pytest.mark.parametrize("out", [32, 45, 70])

@@ -362,7 +362,7 @@ def test_best_draft_count():
 
     assert best_draft_count(0, 50, cost=0.08) == 0  # 几乎从不接受：不起草，就是普通的一步
     assert best_draft_count(15, 50, cost=0.08) == 1  # a ≈ 0.31：起草一个还划算
-    assert best_draft_count(15, 50, cost=0.35) == 0  # 同样的接受率，起草贵（compile=True）：不起草
+    assert best_draft_count(15, 50, cost=0.35) == 0  # 同样的接受率，起草贵（layout="graphs"）：不起草
     assert best_draft_count(95, 100, cost=0.08) == MAX_DRAFTS  # 几乎总接受、起草便宜：起草最多
     assert best_draft_count(95, 100, cost=0.9) == 1  # 每多起草一个就多花近一步：不值得多起草
     ks = [best_draft_count(a, 100, cost=0.1) for a in range(0, 101, 10)]
@@ -380,7 +380,7 @@ def test_auto_draft_count_is_exact(model, mtp, seed):
 
 
 def test_compiled_speculative_equals_plain(lively):
-    """compile=True（分块布局、编译的 matvec）时，投机解码与普通贪心仍逐 token 相同。"""
+    """layout="graphs"（分块布局、解码一步编译成图）时，投机解码与普通贪心仍逐 token 相同。"""
     from qwen.fast.linear import BlockedLinear
 
     model = load_model(lively[0], layout="graphs", dtype=torch.float32)
