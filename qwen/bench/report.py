@@ -146,4 +146,14 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{name}，{os.cpu_count()} 核，torch {torch.__version__}"
+    return f"{name}，{os.cpu_count()} 核，{vector_flags()}，torch {torch.__version__}"
+
+
+def vector_flags() -> str:
+    """这台 CPU 的向量指令（/proc/cpuinfo 的 flags 里与矩阵乘法有关的几项）：数字要连同它们一起报。"""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "向量指令未知"
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
+    return " ".join(f for f in wanted if f in flags) or "没有 AVX2"
