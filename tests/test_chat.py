@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwen import Chat, Conversation, build_prompt, generate
 from qwen.fast import load_model
-from qwen import Chat, Conversation, Model, build_prompt, generate
 from qwen.conversation import generation_defaults
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5-chat-template.jinja"

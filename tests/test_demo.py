@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwen import Chat, find_model, generate, load_config
 from qwen.fast import load_draft, load_model
-from qwen import Chat, Model, find_model, generate, load_config
-from qwen.mtp import MTP, speculate
+from qwen.mtp import speculate
 from qwen.weights import DEMO_PATH, safetensors_files
 
 # 留出的提示词：训练语料是标准库源码，这几段是我们自己写的、不在语料里的代码开头

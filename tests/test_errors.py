@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qwen.fast import load_model
 from qwen import Model, find_model, generate, load_config
+from qwen.fast import load_model
 
 
 def single_file_copy(src, dst, edit=None):

@@ -7,13 +7,13 @@
 import pytest
 import torch
 
-from qwen import Model, State
+from qwen import State
 from qwen.bench import OracleDrafter
 from qwen.cache import AttentionState, commit, copy_state, keep_history
 from qwen.fast import load as load_fast, warm_up
 from qwen.fast.layers import GROUPED_FROM
 from qwen.fast.linear import can_pack
-from qwen.mtp import MTP, speculate
+from qwen.mtp import speculate
 from qwen.sample import generate
 
 from checkpoints import WIDTHS_08B, make_checkpoint, prompt

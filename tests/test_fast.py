@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from qwen.fast import load_draft, load_model
 from qwen import Model, State
+from qwen.fast import load_draft, load_model
 from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
 from qwen.fast.linear import (BLOCK, KERNEL_ROWS, BlockedLinear, PackedLinear, from_blocks, load_matvec, matvec_blocks,
@@ -134,7 +134,7 @@ def test_compiled_speculation_equals_greedy_without_recompiling(lively):
     from torch._dynamo.utils import counters
 
     from qwen.fast import FastMTP, warm_up
-    from qwen.mtp import MTP, speculate
+    from qwen.mtp import speculate
     from qwen.sample import generate
 
     model = load_model(lively[0], layout="graphs", dtype=torch.float32)
@@ -494,8 +494,6 @@ def test_recurrent_in_place_is_differentiable():
 def test_untied_output_head_on_every_path(tmp_path):
     """输出头不与嵌入共用的检查点（lm_head.weight 在顶层）：快路径逐层读出时读的是它自己的输出头，不是嵌入表；
     普通、打包、int8 的 logits 都与 transformers 一致（int8 的相对误差在 5% 以内），起草词表的那几行也取自它。"""
-    from qwen.mtp import MTP
-
     path, hf = make_checkpoint(tmp_path, seed=5, tie=False)
     ids = prompt(512, 20, seed=5)
     with torch.no_grad():

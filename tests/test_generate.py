@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen.fast import load_model
 from qwen import Model, State
+from qwen.fast import load_model
 from qwen.batch import generate_batch
 from qwen.chat import Chat, TextStream, build_prompt
 from qwen.sample import generate, pick, probabilities

@@ -7,8 +7,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from qwen.fast import load_draft, load_model
 from qwen import Model, State
+from qwen.fast import load_draft, load_model
 from qwen.bench import OracleDrafter
 from qwen.mtp import MTP, generate_mtp, speculate
 from qwen.sample import generate, probabilities

@@ -138,22 +138,12 @@ def plot(res: dict, file: Path) -> bool:
 
 
 def machine() -> str:
-    name = "CPU"
+    """CPU 的型号、核数与向量指令（/proc/cpuinfo 的 flags 里与矩阵乘法有关的几项：数字要连同它们一起报）、torch 的版本。"""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return f"{name}，{os.cpu_count()} 核，{vector_flags()}，torch {torch.__version__}"
-
-
-def vector_flags() -> str:
-    """这台 CPU 的向量指令（/proc/cpuinfo 的 flags 里与矩阵乘法有关的几项）：数字要连同它们一起报。"""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "向量指令未知"
+        lines = []
+    field = lambda key: next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")  # noqa: E731
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
-    return " ".join(f for f in wanted if f in flags) or "没有 AVX2"
+    flags = " ".join(f for f in wanted if f in field("flags").split()) or ("没有 AVX2" if lines else "向量指令未知")
+    return f"{field('model name') or 'CPU'}，{os.cpu_count()} 核，{flags}，torch {torch.__version__}"
