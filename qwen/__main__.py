@@ -53,7 +53,7 @@ def model_options(quantize_help: str) -> argparse.ArgumentParser:
                         "graphs（blocked，解码一步再用 torch.compile 编译成图，第一次要几分钟）")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="旧的写法：--compile 即 --layout graphs，--no-compile 即 --layout packed")
-    p.add_argument("--quantize", choices=["int8"], default=None, help=quantize_help)
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help=quantize_help)
     return p
 
 

@@ -1,5 +1,5 @@
 """第 14 章的承诺在每条快路径上逐位成立：验证 k 个草稿时每个位置的 logits 与逐个解码这几个 token 时的 torch.equal，
-提交之后的状态也一样；所以 bfloat16 与 int8 下投机解码的贪心输出与普通贪心逐 token 相同。
+提交之后的状态也一样；所以 bfloat16、int8 与 int4 下投机解码的贪心输出与普通贪心逐 token 相同。
 
 检查点的贪心续写要多样（写回残差流的投影尺度为 1）：续写总在重复一两个 token 时，“逐 token 相同”证明不了什么。
 """
@@ -35,6 +35,7 @@ PATHS = {  # 名字 → (检查点, qwen.fast.load 的参数)；默认：分块�
     "default-bfloat16": ("lively08b", dict(dtype=torch.bfloat16)),
     "compiled-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, layout="graphs")),
     "int8": ("lively08b", dict(dtype=torch.bfloat16, quantize="int8")),
+    "int4": ("lively08b", dict(dtype=torch.bfloat16, quantize="int4")),
 }
 MODELS = {}  # 同一条路径在本文件的几个测试里共用一个模型（编译的图只编译一次）
 
@@ -76,9 +77,9 @@ def test_verified_rows_are_decoded_rows(request, name):
                     assert torch.equal(a.S, b.S) and torch.equal(a.conv, b.conv)
 
 
-@pytest.mark.parametrize("name", ["default-bfloat16", "compiled-bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["default-bfloat16", "compiled-bfloat16", "int8", "int4"])
 def test_bfloat16_speculation_equals_greedy(request, name):
-    """bfloat16 与 int8、0.8B 的宽度：投机解码（固定 k = 1、2、3 与自动挑 k）与同一模型的普通贪心逐 token 相同，48 个 token。
+    """bfloat16、int8 与 int4，0.8B 的宽度：投机解码（固定 k = 1、2、3 与自动挑 k）与同一模型的普通贪心逐 token 相同，48 个 token。
     草稿由“知道答案”的草稿器给出（以 0.6 的概率对），接受与拒绝都常发生；warm_up 之后不再编译任何图。"""
     from torch._dynamo.utils import counters
 

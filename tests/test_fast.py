@@ -11,8 +11,8 @@ from qwen import Model, State
 from qwen.fast import load_draft, load_model
 from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
-from qwen.fast.linear import (BLOCK, KERNEL_ROWS, BlockedLinear, PackedLinear, from_blocks, load_matvec, matvec_blocks,
-                              quantize_int8, to_blocks)
+from qwen.fast.linear import (BLOCK, KERNEL_ROWS, BlockedLinear, PackedLinear, dequantize_int4, from_blocks, load_matvec,
+                              matvec_blocks, quantize_int8, to_blocks)
 from qwen.fast.rows import FileEmbedding, FileRows, RowReader
 
 from checkpoints import make_checkpoint, prompt
@@ -340,11 +340,11 @@ def test_blocks_round_trip_and_matvec(out):
 
 def test_matvec_rows_do_not_depend_on_how_many_are_computed_together():
     """C++ 的 matvec 每一行与单独乘它时逐位相同，不论一次乘几行、怎样分组（AVX2 上 3 行一组、余 1 时第一组 4 行，AVX-512
-    上 8 行一组）、一次乘相邻的几块（行少时 2 或 4 块），float32、bfloat16、int8 的块都是：投机解码验证的行、服务时拼在一起的
+    上 8 行一组）、一次乘相邻的几块（行少时 2 或 4 块），float32、bfloat16、int8、int4 的块都是：投机解码验证的行、服务时拼在一起的
     请求都靠这一点。300 个输出是 10 块（最后一块补零行）：4 块一次的有两组，剩下的逐块乘。"""
     kernel = load_matvec()
-    w = torch.randn(300, 96, generator=torch.Generator().manual_seed(9))
-    x = torch.randn(17, 96, generator=torch.Generator().manual_seed(10))
+    w = torch.randn(300, 112, generator=torch.Generator().manual_seed(9))  # 112 = 3.5 组 int4 的比例
+    x = torch.randn(17, 112, generator=torch.Generator().manual_seed(10))
     for blocks, s in weight_kinds(kernel, w):
         alone = torch.cat([kernel.matvec(x[i : i + 1], blocks, s) for i in range(17)])
         for rows in (2, 3, 4, 5, 7, 8, 9, 10, 13, 17):
@@ -352,10 +352,10 @@ def test_matvec_rows_do_not_depend_on_how_many_are_computed_together():
 
 
 def weight_kinds(kernel, w):
-    """w 的三种分块：float32、bfloat16、int8（带比例）→ [(blocks, scales)]。"""
-    int8 = BlockedLinear(w, kernel, quantize="int8")
+    """w 的四种分块：float32、bfloat16、int8（带比例）、int4（带每 32 个输入的比例）→ [(blocks, scales)]。"""
+    int8, int4 = BlockedLinear(w, kernel, quantize="int8"), BlockedLinear(w, kernel, quantize="int4")
     return [(kernel.to_blocks([w], torch.float32), None), (kernel.to_blocks([w.bfloat16()], torch.bfloat16), None),
-            (int8.blocks, int8.scales)]
+            (int8.blocks, int8.scales), (int4.blocks, int4.scales)]
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="更窄的向量宽度是 x86 的编译选项")
@@ -384,24 +384,47 @@ def test_every_vector_width_computes_the_same_rows(tmp_path, monkeypatch):
                     assert torch.allclose(got, matvec_blocks(x[:rows], blocks, s), atol=1e-4), (isa, blocks.dtype, rows)
 
 
-def test_int8_matvec_is_faster_than_bfloat16():
-    """int8 的块读的字节是 bfloat16 的一半：一个放不进缓存的矩阵（16384 × 4096，bfloat16 128 MB）解码一行时，int8 的
-    matvec 明显更快（宽松的界：不到 0.8 倍的时间；量出来是一半上下）。两种轮流量 7 次、取中位数：内存带宽一分钟里
-    会变好几成。int8 的转换曾经走编译器的通用向量转换，比 bfloat16 慢 7 倍，这个测试就是为它写的。"""
+def test_quantized_matvecs_are_faster_than_bfloat16():
+    """int8 的块读的字节是 bfloat16 的一半，int4 的是 28%：一个放不进缓存的矩阵（16384 × 4096，bfloat16 128 MB）解码
+    一行时，两种量化的 matvec 都明显更快（宽松的界：不到 bfloat16 的 0.8 倍时间）。三种轮流量 7 次、取中位数：内存
+    带宽一分钟里会变好几成。int8 的转换曾经走编译器的通用向量转换，比 bfloat16 慢 7 倍，这个测试就是为它写的。"""
     kernel = load_matvec()
     w = torch.randn(16384, 4096, generator=torch.Generator().manual_seed(13)).bfloat16()
-    bf16, int8 = BlockedLinear(w, kernel), BlockedLinear(w, kernel, quantize="int8")
+    kinds = {"bf16": BlockedLinear(w, kernel), **{q: BlockedLinear(w, kernel, quantize=q) for q in ("int8", "int4")}}
     del w
     x = torch.randn(1, 4096).bfloat16()
-    times = {"bf16": [], "int8": []}
+    times = {name: [] for name in kinds}
     for _ in range(7):
-        for name, linear in (("bf16", bf16), ("int8", int8)):
+        for name, linear in kinds.items():
             t0 = time.perf_counter()
             for _ in range(3):
                 linear.matvec(x)
             times[name].append(time.perf_counter() - t0)
     median = {k: sorted(v)[3] for k, v in times.items()}
-    assert median["int8"] < 0.8 * median["bf16"], median
+    assert median["int8"] < 0.8 * median["bf16"] and median["int4"] < 0.8 * median["bf16"], median
+
+
+def test_int4_is_q4_0_with_float16_scales():
+    """int4 的公式（linear.py 的 quantize_int4）：每个输出每 32 个输入一组，s = float16(m / −8)，m 是组里绝对值最大的那个
+    权重，q = clamp(round(w / s), −8, 7)；输入维不是 32 的倍数时最后一组短一些，全零的组 s = 0。C++ 的 matvec 乘 int4
+    的块，与 float32 的 matvec 乘反量化的块 (q − 8)·s 逐位相同，1～9 行都是；拼回普通布局（长的预填充）也是这些权重。"""
+    kernel = load_matvec()
+    w = torch.randn(70, 200, generator=torch.Generator().manual_seed(14)).bfloat16()  # 70：补零行；200 = 6 组 + 8 个
+    w[3, 32:64] = 0
+    linear = BlockedLinear(w, kernel, quantize="int4")
+    assert linear.blocks.shape == (3, 200, 16) and linear.scales.shape == (3, 7, 32)
+    groups = torch.nn.functional.pad(w.float(), (0, 24)).view(70, 7, 32)
+    m = groups.gather(2, groups.abs().argmax(2, keepdim=True))  # 每组绝对值最大的那个（带符号）
+    s = (m / -8).half().float()
+    q = torch.where(s == 0, 0, (groups / s).round()).clamp(-8, 7)
+    want = (q * s).flatten(1)[:, :200]
+    deq = dequantize_int4(linear.blocks, linear.scales)  # [3, 200, 32]
+    assert torch.equal(from_blocks(deq, 70), want) and (want[3, 32:64] == 0).all()
+    assert torch.equal(linear.dense().float(), want.bfloat16().float())
+    x = torch.randn(9, 200, generator=torch.Generator().manual_seed(15))
+    ref = kernel.matvec(x, deq.contiguous())  # float32 的块
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        assert torch.equal(kernel.matvec(x[:rows], linear.blocks, linear.scales), ref[:rows]), rows
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
@@ -425,30 +448,31 @@ def test_compiled_bfloat16_matvec_matches_linear(quantize):
             assert got.shape == (rows, 70) and ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
 
 
-def test_int8_logits_stay_close_and_greedy_agrees(widths08b):
-    """int8 的模型（0.8B 的宽度，全部矩阵含输出头，float32 计算）对普通的 float32 模型：预填充 64 个 token 与之后逐个
-    解码（编译的一步）时，logits 的相对误差 ‖Δ‖/‖logits‖ 都在 8% 以内（随机权重的量化误差比训练过的大：demo 上约 0.6%），
-    每个位置的 argmax 至少 90% 相同。"""
+@pytest.mark.parametrize("quantize, dtype, tol", [("int8", torch.int8, 0.08), ("int4", torch.uint8, 0.6)])
+def test_quantized_logits_stay_close_and_greedy_agrees(widths08b, quantize, dtype, tol):
+    """量化的模型（0.8B 的宽度，全部矩阵含输出头，float32 计算）对普通的 float32 模型：预填充 64 个 token 与之后逐个
+    解码时，logits 的相对误差 ‖Δ‖/‖logits‖ 都在 tol 以内（随机权重的量化误差比训练过的大得多：这里 int8 约 5%、int4
+    约 47%，数字见 docs/performance.md），每个位置的 argmax 至少 90% 相同（错的量化是 100% 量级的误差、argmax 几乎全错）。"""
     path, _ = widths08b
     m32 = Model.from_pretrained(path, dtype=torch.float32)
-    m8 = load_model(path, quantize="int8", dtype=torch.float32)
-    assert m8.lm_head.blocks.dtype == torch.int8 and m8.layers[0].mlp.down_proj.blocks.dtype == torch.int8
+    mq = load_model(path, quantize=quantize, dtype=torch.float32)
+    assert mq.lm_head.blocks.dtype == dtype and mq.layers[0].mlp.down_proj.blocks.dtype == dtype
     ids = prompt(m32.cfg.vocab_size, 64, seed=3)
-    s32, s8 = State(m32), State(m8)
+    s32, sq = State(m32), State(mq)
     with torch.inference_mode():
-        a, b = m32(ids, s32), m8(ids, s8)
-        assert (a - b).norm() / a.norm() <= 0.08
+        a, b = m32(ids, s32), mq(ids, sq)
+        assert (a - b).norm() / a.norm() <= tol
         agree = (a.argmax(-1) == b.argmax(-1)).sum().item()
         for _ in range(4):
             token = a[:, -1:].argmax(-1)
-            a, b = m32(token, s32), m8(token, s8)
-            assert (a - b).norm() / a.norm() <= 0.08
+            a, b = m32(token, s32), mq(token, sq)
+            assert (a - b).norm() / a.norm() <= tol
             agree += int(a.argmax() == b.argmax())
     assert agree / 68 >= 0.9
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(quantize="int4"), "只能是 None 或"), (dict(quantize="int8", layout="packed"), "不能与 layout='packed'"),
+    (dict(quantize="int2"), "只能是 None、"), (dict(quantize="int8", layout="packed"), "不能与 layout='packed'"),
     (dict(quantize="int8", layout="plain"), "不能与 layout='plain'"), (dict(layout="fast"), "layout 应为 auto 或"),
 ])
 def test_bad_quantize_is_refused(tiny, kw, message):

@@ -23,9 +23,11 @@ def bytes_per_token(model) -> int:
     嵌入表只查一行。"""
     total = 0
     for m in model.modules():
-        if isinstance(m, (PackedLinear, BlockedLinear)):
-            itemsize = 1 if getattr(m, "scales", None) is not None else m.dtype.itemsize  # int8 的块一个数一字节
-            total += m.out_features * (m.in_features * itemsize + (itemsize == 1) * 4)  # int8 另有每个输出的比例
+        if isinstance(m, BlockedLinear) and m.scales is not None:  # 量化的块：q 与比例，按存的算（补的零行除外）
+            share = m.out_features / (m.blocks.shape[0] * 32)
+            total += round(share * (m.blocks.numel() * m.blocks.element_size() + m.scales.numel() * m.scales.element_size()))
+        elif isinstance(m, (PackedLinear, BlockedLinear)):
+            total += m.out_features * m.in_features * m.dtype.itemsize
         elif m is not model.embed_tokens:  # nn.Linear 的权重、各种 norm 与 DeltaNet 的小参数
             total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     return total + model.cfg.hidden_size * model.dtype.itemsize

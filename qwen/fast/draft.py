@@ -41,7 +41,8 @@ class FastMTP(MTP):
         return sub.new_full((*sub.shape[:-1], model.cfg.vocab_size), -torch.inf).index_copy_(-1, self.draft_ids, sub)
 
     def draft_scores(self, x):
-        """只给起草词表打分：分块布局上是 int8 的分块布局，用同一个 C++ 的 matvec 乘；打包的路径上是普通布局，走 gemv。"""
+        """只给起草词表打分：分块布局上是量化的分块布局（int4 的模型 int4，否则 int8），用同一个 C++ 的 matvec 乘；
+        打包的路径上是普通布局，走 gemv。"""
         if self.head_ids is not self.draft_ids:
             raise ValueError("起草词表 draft_ids 在加载之后换过，加载时读出的输出头那几行对不上了：换起草词表请用 "
                              "qwen.fast.load_draft(model, path, draft_vocab=...) 重新加载")
@@ -61,9 +62,9 @@ def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None, graphs: bool = Fals
     if graphs:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
         mtp.step = torch.compile(MTP.forward.__get__(mtp), dynamic=False, options=COMPILE_OPTIONS)
     mtp.draft_head = None  # 输出头里起草词表的那几行：从检查点读一份（主模型的输出头已换了布局）
-    if mtp.draft_ids is not None:  # 分块布局上存成 int8（草稿只是猜测，量化误差只会偶尔少收一个草稿）
+    if mtp.draft_ids is not None:  # 分块布局上存成 int8，int4 的模型存成 int4（草稿只是猜测，量化误差只会偶尔少收一个草稿）
         rows = RowReader(*tensor_file(path, *head_tensor(mtp.cfg)), mtp.fc.dtype)
         mtp.draft_head = rows[mtp.draft_ids] if kernel is None else BlockedLinear(FileRows(rows, mtp.draft_ids), kernel,
-                                                                                   quantize="int8")  # [n, h] 或分块
+                                                                                   quantize=quantize or "int8")
         mtp.head_ids = mtp.draft_ids
     return mtp

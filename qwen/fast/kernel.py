@@ -4,7 +4,8 @@ RMSNorm（norm.cpp），编译一次，用 ctypes 调用。
 解码的矩阵乘法只有 1～5 行输入，时间都花在读权重上；matvec.cpp 是一个几十行的循环，逐块顺序读权重、乘加进每行的
 累加器，每一行的求和顺序固定（验证的行与解码的行逐位相同，第 14 章）。它不包含 torch 的头文件，编译很快；
 Kernel 用 ctypes 把张量的数据指针交给它（调用时放开 GIL）。整步编译的图（step.py）里它是算子 torch.ops.qwen_fast.matvec
-（register_ops：图把它当外部调用）。加载权重时换布局、量化成 int8 也在这里（to_blocks、quantize_int8），一遍读完。
+（register_ops：图把它当外部调用）。加载权重时换布局、量化成 int8 或 int4 也在这里（to_blocks、quantize_int8、
+quantize_int4），一遍读完。
 deltanet.cpp 把 DeltaNet 层解码时的二三十个小运算合成一次调用（layers.py 的 FastDeltaNet.step），norm.cpp 把 RMSNorm 的
 五六个小运算合成一次（FastRMSNorm），也都放开 GIL。
 
@@ -29,6 +30,7 @@ from .records import record_file
 SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp")]  # 编进同一个 .so
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
+QGROUP = 32  # int4：每个输出每这么多个输入一个比例（与 matvec.cpp 相同）
 NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}  # 入口名字里的 dtype
 
 
@@ -83,9 +85,10 @@ def load_or_build(out: Path, cxx: str, flags=FLAGS) -> ctypes.CDLL:
 
 PTR, I64 = ctypes.c_void_p, ctypes.c_int64
 ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果的 dtype）
-    **{f"matvec_{t}": [PTR, I64, I64, PTR, PTR, PTR, I64] for t in ("f32", "bf16", "i8")},
+    **{f"matvec_{t}": [PTR, I64, I64, PTR, PTR, PTR, I64] for t in ("f32", "bf16", "i8", "q4")},
     **{f"to_blocks_{s}_{d}": [PTR, I64, I64, I64, PTR] for s in ("f32", "bf16") for d in ("f32", "bf16")},
     **{f"quantize_int8_{t}": [PTR, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
+    **{f"quantize_int4_{t}": [PTR, I64, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
     "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
     "deltanet_step": [PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, I64, I64, I64, I64, I64, I64],
 }
@@ -100,6 +103,7 @@ class Kernel:
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = None
         self.matvecs = {dtype: getattr(lib, f"matvec_{name}") for dtype, name in NAMES.items()}  # 按权重的 dtype
+        self.matvecs[torch.uint8] = lib.matvec_q4  # int4：一个字节两个权重
         lib.matvec_width.restype = lib.matvec_fma.restype = ctypes.c_int
         self.width, self.fma = lib.matvec_width(), bool(lib.matvec_fma())  # 编出来的向量宽度（float32 个数）、有没有 FMA
 
@@ -109,7 +113,8 @@ class Kernel:
         return "AVX-512" if self.width == 16 else "AVX2" if self.fma else "portable"
 
     def matvec(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]）→ [M, B·32]，dtype 同 x。"""
+        """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]；int4 的 blocks 是 [B, in, 16] 个
+        uint8、每个字节两个权重，scales [B, ⌈in/32⌉, 32] float16）→ [M, B·32]，dtype 同 x。"""
         xf = x.float().contiguous()
         y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
         self.matvecs[blocks.dtype](xf.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(),
@@ -145,6 +150,23 @@ class Kernel:
                                                                                out.data_ptr())
             row0 += p.shape[0]
         return out
+
+    def quantize_int4(self, parts, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+        """几个 [out_i, in] 的矩阵（上下拼起来）→ 对称的 int4，每个输出每 32 个输入一个 float16 的比例：
+        (q [⌈Σ out_i / 32⌉, in, 16] uint8，scales [⌈Σ out_i / 32⌉, ⌈in/32⌉, 32] float16)，公式见 linear.py 的 quantize_int4。
+        每次只读 rows 行：矩阵可以是还在文件里的 FileRows。"""
+        total, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        B, groups = -(-total // BLOCK), -(-n_in // QGROUP)
+        q = huge_pages(torch.full((B, n_in, BLOCK // 2), 0x88, dtype=torch.uint8))  # 补的零行：q = 0
+        scales = torch.zeros(B, groups, BLOCK, dtype=torch.float16)
+        row0 = 0
+        for p in parts:
+            for i in range(0, p.shape[0], rows):
+                src = readable(p[i : i + rows].detach())
+                getattr(self.lib, f"quantize_int4_{NAMES[src.dtype]}")(src.data_ptr(), src.shape[0], n_in, row0,
+                                                                        q.data_ptr(), scales.data_ptr())
+                row0 += src.shape[0]
+        return q, scales
 
     def quantize_int8(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """对称的逐行 int8：(q [n, in] int8，s [n] float32)，公式见 linear.py 的 quantize_int8。"""
@@ -194,7 +216,7 @@ def register_ops(kernel: Kernel) -> None:
 
 def fake_matvec(x, blocks, scales):
     """torch.compile 追踪整步的图时只需要输出的形状与 dtype。"""
-    return x.new_empty(x.shape[0], blocks.shape[0] * blocks.shape[2])
+    return x.new_empty(x.shape[0], blocks.shape[0] * BLOCK)
 
 
 # 测试用：在这台机器上把内核编成更窄的向量（-march=native 给的是最宽的那种）。FMA 的几种宽度逐位相同

@@ -27,6 +27,7 @@ from .records import read_record, record_file, write_record  # 也从这里导�
 
 PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
 BLOCK = 32  # 分块布局每块的输出个数
+QGROUP = 32  # int4：每个输出每这么多个输入一个比例
 KERNEL_ROWS = 32  # 不超过这么多行时用 C++ 的 matvec；更多行（长的预填充）时拼回普通布局交给 F.linear（拼回一次有固定的代价）
 # 编译的图（step.py 的整步、草稿头）生成的 C++ 里不把乘、加合成 FMA：合不合成由编译器对每段代码各自决定，同一行在
 # 不同的图里可能一处合成、一处不合成，结果就差一点（投机解码验证的行与单独解码的行必须逐位相同，见第 14 章）
@@ -71,12 +72,22 @@ def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
 
 
 def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] 乘分块布局的权重 blocks [B, in, 32]（int8 的再乘每个输出的比例 scales [B, 32]）→ [M, B·32]：
-    y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。这是它的定义，写成 PyTorch 给人读、给测试对照；
-    真正用的是 matvec.cpp 里同一个公式的 C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
+    """x [M, in] 乘分块布局的权重 blocks [B, in, 32]（int8 的再乘每个输出的比例 scales [B, 32]；int4 的先反量化，
+    见 dequantize_int4）→ [M, B·32]：y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。这是它的定义，写成 PyTorch
+    给人读、给测试对照；真正用的是 matvec.cpp 里同一个公式的 C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
+    if blocks.dtype == torch.uint8:
+        blocks, scales = dequantize_int4(blocks, scales), None
     y = torch.einsum("mi,bij->mbj", x.float(), blocks.float())  # [M, B, 32]
     y = y if scales is None else y * scales
     return y.flatten(1).to(x.dtype)
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int4 的块 → float32 的块 [B, in, 32]：w = (q − 8) · s。q [B, in, 16] 的每个字节里低 4 位是第 j 个输出、高 4 位是
+    第 j+16 个（存的是 q + 8）；scales [B, ⌈in/32⌉, 32] float16，每 32 个输入一个。C++ 的 matvec 乘的就是这些数。"""
+    n_in = q.shape[1]
+    w = torch.cat([q & 15, q >> 4], dim=-1).float() - 8  # [B, in, 32]
+    return w * scales.float().repeat_interleave(QGROUP, dim=1)[:, :n_in]
 
 
 def load_matvec(cxx: str | None = None):
@@ -142,17 +153,29 @@ def quantize_int8(weight, kernel, rows: int = 8192) -> tuple[torch.Tensor, torch
     return q, scale
 
 
+def quantize_int4(parts, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """对称的 int4，每个输出每 32 个输入一组（像 llama.cpp 的 Q4_0）：m 是这一组里绝对值最大的那个权重（带符号），
+    s = float16(m / −8)，q = clamp(round(w / s), −8, 7)——m 自己正好是 −8，16 个值都用上。几个 [out_i, in] 的矩阵
+    （parts，上下拼起来）→ 分块的 (q [B, in, 16] uint8，一个字节两个权重；scales [B, ⌈in/32⌉, 32] float16)。
+    每个权重 4 位、每 32 个另有 16 位的比例：4.5 位，是 bfloat16 的 28%。算的是 kernel（matvec.cpp）里的 C++ 循环，
+    每次只读几千行（parts 可以是还在文件里的 FileRows）。"""
+    return kernel.quantize_int4(parts)
+
+
 class BlockedLinear(nn.Module):
     """分块布局的矩阵（to_blocks），不超过 kernel_rows 行输入时用 kernel（load_matvec() 给的 C++ 算子）乘。
     weight 可以是几个读同一输入的矩阵（上下拼起来），换布局时顺便转成 dtype（C++ 的 to_blocks 一遍完成）。
-    quantize="int8"：权重存成 int8 的块加每个输出一个 float32 比例（quantize_int8），字节数是 bfloat16 的一半。"""
+    quantize="int8"：权重存成 int8 的块加每个输出一个 float32 比例（quantize_int8），字节数是 bfloat16 的一半；
+    quantize="int4"：4 位的块加每 32 个输入一个 float16 比例（quantize_int4），是 bfloat16 的 28%。"""
 
     def __init__(self, weight, kernel, bias=None, quantize: str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         parts = list(weight) if isinstance(weight, (list, tuple)) else [weight]
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
         self.dtype = dtype or parts[0].dtype
-        if quantize == "int8":
+        if quantize == "int4":
+            self.blocks, self.scales = quantize_int4(parts, kernel)
+        elif quantize == "int8":
             q, scale = quantize_int8(parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts]), kernel)
             self.blocks, self.scales = to_blocks(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
         else:  # [B, in, 32]。float32 的模型、bfloat16 的检查点：块仍存 bfloat16（转成 float32 是精确的，内核读时才转），
@@ -168,7 +191,9 @@ class BlockedLinear(nn.Module):
         self.kernel_rows = KERNEL_ROWS if fast_gemm and self.blocks.dtype == self.dtype else float("inf")
 
     def dense(self) -> torch.Tensor:
-        """拼回普通布局 [out, in]（int8 的乘回比例），长的预填充交给 F.linear。"""
+        """拼回普通布局 [out, in]（int8 的乘回比例，int4 的反量化），长的预填充交给 F.linear。"""
+        if self.blocks.dtype == torch.uint8:
+            return from_blocks(dequantize_int4(self.blocks, self.scales), self.out_features).to(self.dtype)
         w = from_blocks(self.blocks, self.out_features)
         return w.to(self.dtype) if self.scales is None else (w * self.scales.flatten()[: self.out_features, None]).to(self.dtype)
 

@@ -2,6 +2,7 @@
 
     model, mtp = qwen.fast.load(path)                       # 这台机器上最快的布局，有草稿头就一起读
     model, mtp = qwen.fast.load(path, quantize="int8")      # 矩阵存成 int8：读的字节少一半
+    model, mtp = qwen.fast.load(path, quantize="int4")      # 4 位、每 32 个输入一个比例：是 bfloat16 的 28%
 
 layout 一个参数选矩阵怎么存、怎么乘，每个值只有一个意思（LAYOUTS）；quantize 另选权重的格式。第 10 章的
 Model.from_pretrained 只加载普通模型；这里用它的 load_pretrained 在 meta 设备上搭骨架、核对名字与形状（只读形状，
@@ -30,7 +31,7 @@ LAYOUTS = {  # layout 的值 → 它是什么（命令行与第 14 章的实验�
     "blocked": "分块布局、C++ 的 matvec",
     "graphs": "分块布局、C++ 的 matvec，解码一步编译成图",
 }
-QUANTIZE = (None, "int8")
+QUANTIZE = (None, "int8", "int4")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}  # 命令行的名字
 
 
@@ -47,7 +48,7 @@ def resolve(layout: str = "auto", quantize=None, dtype=None) -> tuple[str, torch
     if layout != "auto" and layout not in LAYOUTS:
         raise ValueError(f"layout 应为 auto 或 {', '.join(LAYOUTS)} 之一，收到 {layout!r}")
     if quantize not in QUANTIZE:
-        raise ValueError(f'quantize 只能是 None 或 "int8"，收到 {quantize!r}')
+        raise ValueError(f'quantize 只能是 None、"int8" 或 "int4"，收到 {quantize!r}')
     if dtype not in (None, torch.bfloat16, torch.float32):
         raise ValueError(f"dtype 只能是 torch.bfloat16 或 torch.float32，收到 {dtype}")
     if quantize and layout in ("plain", "packed"):
@@ -71,7 +72,7 @@ def resolve(layout: str = "auto", quantize=None, dtype=None) -> tuple[str, torch
 def load(path=None, layout: str = "auto", quantize: str | None = None, dtype: torch.dtype | None = None,
          draft: bool = True, draft_vocab="auto") -> tuple[Model, MTP | None]:
     """加载文本模型与草稿头（draft=False，或检查点没有 mtp.* 时草稿头是 None）→ (model, mtp)。
-    layout：auto（默认：这台机器上最快的）或 LAYOUTS 之一；quantize：None 或 "int8"（分块布局上）；dtype：默认
+    layout：auto（默认：这台机器上最快的）或 LAYOUTS 之一；quantize：None、"int8" 或 "int4"（分块布局上）；dtype：默认
     plain 是 float32，其余在 CPU 支持时 bfloat16；draft_vocab：起草时打分的 token（qwen/vocab.py）。"""
     model = load_model(path, layout, quantize, dtype)
     return model, load_draft(model, draft_vocab=draft_vocab) if draft else None
@@ -115,7 +116,7 @@ def speedup(model: Model, path, layout: str, quantize=None) -> Model:
     kernel = None if layout == "packed" else load_matvec()
     some = model.layers[0].mlp.down_proj.weight
     dtype, raw = some.dtype, kernel is not None and not quantize  # 分块布局：矩阵按文件里的 dtype 读，换布局时一起转
-    # 先换最大的输出头，嵌入表留在文件里（从不读进内存）；之后一层一层地读出、换掉。int8 的输出头从文件里
+    # 先换最大的输出头，嵌入表留在文件里（从不读进内存）；之后一层一层地读出、换掉。量化的输出头从文件里
     # 一段一段地读出来量化（FileRows）：内存里不必有整个 bfloat16 的输出头
     if quantize:
         model.lm_head = BlockedLinear(FileRows(RowReader(*tensor_file(path, *head_tensor(model.cfg)), dtype)),
