@@ -73,7 +73,8 @@ echo '[{"model_type": "qwen35 test F32", "avg_ts": '$ts'}]'
 
 def test_bench_runs_end_to_end(lively, tmp_path):
     """一次小规模运行（float32：这时与 transformers、与 layout="packed" 的贪心输出都应逐 token 相同）：两个布局、
-    transformers、llama.cpp（一个假的 llama-bench）、投机解码的全部组合，写出 JSON，并且报告能读。"""
+    transformers、llama.cpp（一个假的 llama-bench）、投机解码的全部组合，再加一种权重格式（int4 对第二个 GGUF），
+    写出 JSON，并且报告能读。"""
     out = tmp_path / "b.json"
     fake = tmp_path / "llama-bench"
     fake.write_text(FAKE_LLAMA_BENCH)
@@ -81,7 +82,8 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "qwen.bench", "--model", str(lively[0]), "--tokens", "6", "--prefill", "16",
          "--seeds", "2", "--rounds", "1", "--dtype", "float32", "--json", str(out), "--png", str(tmp_path / "b.png"),
-         "--llama-cpp", str(tmp_path), "--gguf", str(tmp_path / "x.gguf")],
+         "--llama-cpp", str(tmp_path), "--quantize", "none", "int4", "--gguf", str(tmp_path / "x.gguf"),
+         str(tmp_path / "y.gguf")],
         capture_output=True, text=True, timeout=600,
     )
     assert p.returncode == 0, p.stderr
@@ -108,6 +110,11 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     assert run["packed_agreement"] == 1.0 and run["greedy_agreement"] == 1.0  # 两种布局、transformers 逐 token 相同
     assert "投机解码" in p.stdout and "| float32 |" in p.stdout and "| float32 packed |" in p.stdout
     assert f"| qwen float32 | {run['qwen']['decode_tok_s']:.1f}（{run['qwen']['decode_tok_s'] / 20:.2f}×） |" in p.stdout
+    q4 = res["runs"]["float32 int4"]  # 第二种格式：只有默认布局与 llama.cpp（它的第二个 GGUF），不测投机解码
+    assert set(q4) == {"qwen", "llama_cpp"} and q4["llama_cpp"]["file"].endswith("y.gguf") and "spec" not in q4["qwen"]
+    assert q4["qwen"]["layout"] == "分块布局、C++ 的 matvec，int4 的矩阵" and q4["qwen"]["decode_tok_s"] > 0
+    assert q4["qwen"]["bytes_per_token"] < 0.35 * run["qwen"]["bytes_per_token"]  # float32 的 4.5 / 32 加上小参数
+    assert "| float32 int4 |" in p.stdout
     assert report(res).splitlines()[0].startswith("机器：")
 
 

@@ -15,6 +15,8 @@ from .checkpoint import random_checkpoint
 from .llama import find_gguf, run_llama
 from .probe import read_bandwidth
 from .report import VARIANTS, machine, merge_rounds, plot, report
+
+FORMATS = {"none": None, "int8": "int8", "int4": "int4"}  # --quantize 的名字 → qwen.fast.load 的 quantize
 from .runs import run_qwen, run_transformers
 
 
@@ -28,9 +30,12 @@ def arguments(argv):
     p.add_argument("--no-transformers", action="store_true", help="不测 transformers")
     p.add_argument("--llama-cpp", metavar="DIR", default=None,
                    help="同时测 llama.cpp：DIR 里有 llama-bench（与第一种 dtype 的 qwen 轮流测，报告比值）")
-    p.add_argument("--gguf", default=None, help="llama.cpp 用的 GGUF 文件（默认：模型文件夹里唯一的 .gguf）")
-    p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="qwen（默认布局）的矩阵存成 int8；与 llama.cpp 的 Q8_0 比时用（--gguf 给 Q8_0 的文件）")
+    p.add_argument("--quantize", nargs="+", choices=list(FORMATS), default=["none"], metavar="FORMAT",
+                   help="qwen（默认布局）的权重格式，可以给几种、依次测：none（dtype 本身）、int8、int4；"
+                        "例如 --quantize none int8 int4")
+    p.add_argument("--gguf", nargs="+", default=None, metavar="FILE",
+                   help="llama.cpp 用的 GGUF 文件，与 --quantize 一一对应（BF16、Q8_0、Q4_0……；默认：模型文件夹里"
+                        "唯一的 .gguf，只有一种格式时）")
     p.add_argument("--no-packed", action="store_true", help="不另测 layout=\"packed\"（oneDNN 打包的布局）的 qwen")
     p.add_argument("--seeds", type=int, default=3, help="投机解码的每组设置测几次（草稿器的随机种子不同；自动挑 k 测两倍），加起来算加速比")
     p.add_argument("--rounds", type=int, default=2, help="qwen 与 transformers 轮流测几轮（各取最快的一轮）")
@@ -48,23 +53,22 @@ def worker(args) -> None:
     dtype = DTYPES[args.dtype]
     if args.worker == "qwen":
         out = run_qwen(args.model, dtype, args.tokens, args.prefill, spec=not args.no_spec,
-                       layout="packed" if args.packed else "auto", seeds=args.seeds, quantize=args.quantize)
+                       layout="packed" if args.packed else "auto", seeds=args.seeds, quantize=FORMATS[args.quantize[0]])
     else:
         out = run_transformers(args.model, dtype, args.tokens, args.prefill)
     print("RESULT " + json.dumps(out))
 
 
-def child(args, which: str, dtype: str, spec: bool = True, packed: bool = False) -> dict | None:
+def child(args, which: str, dtype: str, spec: bool = True, packed: bool = False, quantize: str = "none") -> dict | None:
     cmd = [sys.executable, "-m", "qwen.bench", "--worker", which, "--model", str(args.model), "--dtype", dtype,
            "--threads", str(args.threads), "--tokens", str(args.tokens), "--prefill", str(args.prefill),
-           "--seeds", str(args.seeds)]
-    if args.quantize and not packed:
-        cmd += ["--quantize", args.quantize]
+           "--seeds", str(args.seeds), "--quantize", quantize]
     if not spec:
         cmd.append("--no-spec")
     if packed:
         cmd.append("--packed")
         which += " packed"
+    which += "" if quantize == "none" else f" {quantize}"
     print(f"  测 {which}（{dtype}）…", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -74,16 +78,18 @@ def child(args, which: str, dtype: str, spec: bool = True, packed: bool = False)
     return json.loads(line[len("RESULT "):])
 
 
-def measure(args, dtype: str, first: bool, has_hf: bool, gguf) -> dict | None:
-    """一种 dtype：qwen（默认与打包的布局）、transformers、llama.cpp 轮流测 rounds 轮，各取最快的一轮——共享机器的快慢
-    时段几方都有机会碰上。第一轮的 qwen 子进程还测投机解码与峰值内存。"""
+def measure(args, dtype: str, first: bool, has_hf: bool, gguf, quantize: str = "none") -> dict | None:
+    """一种 dtype 与权重格式：qwen（默认与打包的布局）、transformers、llama.cpp 轮流测 rounds 轮，各取最快的一轮——共享
+    机器的快慢时段几方都有机会碰上。第一轮的 qwen 子进程还测投机解码与峰值内存。量化的格式只测默认布局与 llama.cpp
+    （打包的布局与 transformers 没有量化）。"""
     qs, cs, hs, ls = [], [], [], []
+    plain = quantize == "none"
     for r in range(args.rounds):
         spec = r == 0 and first
-        qs += [q] if (q := child(args, "qwen", dtype, spec=spec)) is not None else []
-        if not args.no_packed and (r == 0 or cs):
+        qs += [q] if (q := child(args, "qwen", dtype, spec=spec, quantize=quantize)) is not None else []
+        if plain and not args.no_packed and (r == 0 or cs):
             cs += [c] if (c := child(args, "qwen", dtype, spec=spec, packed=True)) is not None else []
-        if has_hf and (r == 0 or hs):
+        if plain and has_hf and (r == 0 or hs):
             hs += [h] if (h := child(args, "transformers", dtype)) is not None else []
         if gguf is not None and (r == 0 or ls):
             ls += [x] if (x := run_llama(args, gguf)) is not None else []
@@ -122,18 +128,20 @@ def main(argv=None):
     else:
         args.model = find_model(args.model)
         name = str(args.model)
-    gguf = find_gguf(args) if args.llama_cpp else None
-    if args.llama_cpp and gguf is None:
-        sys.exit(f"错误：--llama-cpp 要一个 GGUF 文件：用 --gguf 指定（{args.model} 里没有唯一的 .gguf）")
+    ggufs = find_gguf(args) if args.llama_cpp else [None] * len(args.quantize)
+    if args.llama_cpp and ggufs is None:
+        sys.exit(f"错误：--llama-cpp 要 GGUF 文件：用 --gguf 给，与 --quantize 的 {len(args.quantize)} 种格式一一对应"
+                 f"（{args.model} 里没有唯一的 .gguf）")
     has_hf = not args.no_transformers and has_transformers()
     bandwidths = [read_bandwidth()]  # 父进程在开头、结尾各测一次：整个运行里机器的最高读带宽
     res = dict(machine=machine(), threads=args.threads, model=name, tokens=args.tokens, prefill_len=args.prefill,
-               rounds=args.rounds, quantize=args.quantize, runs={})
+               rounds=args.rounds, runs={})
     dtypes = ["bfloat16", "float32"] if args.dtype == "both" else [args.dtype]
-    for dtype in dtypes:
+    for dtype in dtypes:  # 几种权重格式只测第一种 dtype，各自与对应的 GGUF 轮流；投机解码只测第一种格式
         first = dtype == "bfloat16" or len(dtypes) == 1
-        if (run := measure(args, dtype, first, has_hf, gguf if dtype == dtypes[0] else None)) is not None:
-            res["runs"][dtype] = run
+        for i, (quantize, gguf) in enumerate(zip(args.quantize, ggufs) if dtype == dtypes[0] else [("none", None)]):
+            if (run := measure(args, dtype, first and i == 0, has_hf, gguf, quantize)) is not None:
+                res["runs"][dtype if quantize == "none" else f"{dtype} {quantize}"] = run
     bandwidths.append(read_bandwidth())
     res["machine_bandwidth_gb_s"] = max(bandwidths + [r[k]["bandwidth_gb_s"] for r in res["runs"].values()
                                                       for k in VARIANTS if k in r])

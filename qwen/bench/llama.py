@@ -8,12 +8,13 @@ from pathlib import Path
 from .probe import PROMPT_LEN
 
 
-def find_gguf(args) -> Path | None:
-    """--gguf 给的文件；没给时在模型文件夹里找唯一的一个 .gguf。"""
+def find_gguf(args) -> list[Path] | None:
+    """--gguf 给的文件，与 --quantize 的格式一样多；没给、且只有一种格式时在模型文件夹里找唯一的一个 .gguf。
+    对不上时 None。"""
     if args.gguf:
-        return Path(args.gguf)
+        return [Path(g) for g in args.gguf] if len(args.gguf) == len(args.quantize) else None
     found = sorted(Path(args.model).glob("*.gguf"))
-    return found[0] if len(found) == 1 else None
+    return found if len(found) == 1 and len(args.quantize) == 1 else None
 
 
 def run_llama(args, gguf: Path) -> dict | None:

@@ -33,8 +33,8 @@ VARIANTS = {"qwen": "", "qwen_packed": " packed"}
 
 def report(res: dict) -> str:
     lines = [f"机器：{res['machine']}；线程 {res['threads']}；模型：{res['model']}；"
-             f"qwen 与 transformers 轮流测 {res['rounds']} 轮，各取最快的一轮"
-             + ("；qwen 的矩阵是 int8（quantize=\"int8\"）" if res.get("quantize") else ""), ""]
+             f"qwen 与 transformers、llama.cpp 轮流测 {res['rounds']} 轮，各取最快的一轮；"
+             "“bfloat16 int8”这样的名字是 dtype 加 qwen 的权重格式（quantize=\"int8\"）", ""]
     return "\n".join(lines + decode_table(res) + llama_tables(res) + spec_tables(res))
 
 
