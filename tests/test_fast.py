@@ -360,9 +360,10 @@ def weight_kinds(kernel, w):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="更窄的向量宽度是 x86 的编译选项")
 def test_every_vector_width_computes_the_same_rows(tmp_path, monkeypatch):
-    """内核按这台机器最宽的向量编译（-march=native：有 AVX-512 就是 16 宽）；在这台机器上另编出更窄的（AVX2，不用 FMA 的
-    portable），每一种这台机器都跑得了。有 FMA 的几种宽度逐位相同（每个输出都是自己的累加器、同样的求和顺序，宽度只改
-    每条指令算几个输出），不用 FMA 的先乘后加、各舍入一次，与定义 matvec_blocks 差在舍入之内。"""
+    """内核按这台机器最宽的向量编译（-march=native：有 AVX-512 就是 16 宽，有 VNNI 时 int4 用 vpdpbusd）；在这台机器上另编出
+    更窄的（没有 VNNI 的 AVX-512、AVX2，不用 FMA 的 portable），每一种这台机器都跑得了。有 FMA 的几种逐位相同（每个输出
+    都是自己的累加器、同样的求和顺序，宽度只改每条指令算几个输出；int4 的整数点积是精确的），不用 FMA 的先乘后加、
+    各舍入一次，与定义 matvec_blocks 差在舍入之内。"""
     from qwen.fast.kernel import FLAGS, NARROWER, Kernel, kernel_file, load_or_build
     from qwen.fast.linear import find_compiler
 
@@ -372,9 +373,11 @@ def test_every_vector_width_computes_the_same_rows(tmp_path, monkeypatch):
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(12))
     kinds = weight_kinds(native, w)
     for isa, extra in NARROWER.items():
+        if isa == native.isa or (isa.startswith("AVX-512") and native.width == 8):
+            continue  # 这台机器的就是它，或者这台机器没有 AVX-512
         flags = [*FLAGS, *extra]
         narrow = Kernel(load_or_build(kernel_file(cxx, flags), cxx, flags))
-        assert narrow.isa == isa and (narrow.width, native.width) != (16, 8)
+        assert narrow.isa == isa
         for blocks, s in kinds:
             for rows in (1, 2, 4, 9):
                 want, got = native.matvec(x[:rows], blocks, s), narrow.matvec(x[:rows], blocks, s)
@@ -406,25 +409,26 @@ def test_quantized_matvecs_are_faster_than_bfloat16():
 
 def test_int4_is_q4_0_with_float16_scales():
     """int4 的公式（linear.py 的 quantize_int4）：每个输出每 32 个输入一组，s = float16(m / −8)，m 是组里绝对值最大的那个
-    权重，q = clamp(round(w / s), −8, 7)；输入维不是 32 的倍数时最后一组短一些，全零的组 s = 0。C++ 的 matvec 乘 int4
-    的块，与 float32 的 matvec 乘反量化的块 (q − 8)·s 逐位相同，1～9 行都是；拼回普通布局（长的预填充）也是这些权重。"""
+    权重，q = clamp(round(w / s), −8, 7)；输入维不是 32 的倍数时最后一组短一些，全零的组 s = 0。拼回普通布局（长的
+    预填充）就是 q·s。C++ 的 matvec 是 int4_reference 的整数点积（输入每 32 个一组量化成 int8），1～9 行都与它一致；
+    它离 float32 的输入乘反量化的权重约 0.5%（输入的量化误差）。"""
     kernel = load_matvec()
     w = torch.randn(70, 200, generator=torch.Generator().manual_seed(14)).bfloat16()  # 70：补零行；200 = 6 组 + 8 个
     w[3, 32:64] = 0
     linear = BlockedLinear(w, kernel, quantize="int4")
-    assert linear.blocks.shape == (3, 200, 16) and linear.scales.shape == (3, 7, 32)
+    assert linear.blocks.shape == (3, 56, 64) and linear.scales.shape == (3, 7, 32)
     groups = torch.nn.functional.pad(w.float(), (0, 24)).view(70, 7, 32)
     m = groups.gather(2, groups.abs().argmax(2, keepdim=True))  # 每组绝对值最大的那个（带符号）
     s = (m / -8).half().float()
     q = torch.where(s == 0, 0, (groups / s).round()).clamp(-8, 7)
     want = (q * s).flatten(1)[:, :200]
-    deq = dequantize_int4(linear.blocks, linear.scales)  # [3, 200, 32]
-    assert torch.equal(from_blocks(deq, 70), want) and (want[3, 32:64] == 0).all()
-    assert torch.equal(linear.dense().float(), want.bfloat16().float())
+    assert torch.equal(from_blocks(dequantize_int4(linear.blocks, linear.scales, 200), 70), want)
+    assert (want[3, 32:64] == 0).all() and torch.equal(linear.dense().float(), want.bfloat16().float())
     x = torch.randn(9, 200, generator=torch.Generator().manual_seed(15))
-    ref = kernel.matvec(x, deq.contiguous())  # float32 的块
-    for rows in (1, 2, 3, 4, 5, 8, 9):
-        assert torch.equal(kernel.matvec(x[:rows], linear.blocks, linear.scales), ref[:rows]), rows
+    got, ref = kernel.matvec(x, linear.blocks, linear.scales), matvec_blocks(x, linear.blocks, linear.scales)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-4)
+    exact = x @ want.T
+    assert (got[:, :70] - exact).norm() / exact.norm() < 0.01
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])

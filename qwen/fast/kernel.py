@@ -104,17 +104,19 @@ class Kernel:
             getattr(lib, name).restype = None
         self.matvecs = {dtype: getattr(lib, f"matvec_{name}") for dtype, name in NAMES.items()}  # 按权重的 dtype
         self.matvecs[torch.uint8] = lib.matvec_q4  # int4：一个字节两个权重
-        lib.matvec_width.restype = lib.matvec_fma.restype = ctypes.c_int
+        lib.matvec_width.restype = lib.matvec_fma.restype = lib.matvec_vnni.restype = ctypes.c_int
         self.width, self.fma = lib.matvec_width(), bool(lib.matvec_fma())  # 编出来的向量宽度（float32 个数）、有没有 FMA
+        self.vnni = bool(lib.matvec_vnni())  # int4 的整数点积用不用 VNNI（vpdpbusd）
 
     @property
     def isa(self) -> str:
-        """编进内核的向量指令，一个词：AVX-512、AVX2（8 宽、FMA）或 portable。"""
-        return "AVX-512" if self.width == 16 else "AVX2" if self.fma else "portable"
+        """编进内核的向量指令：AVX-512 VNNI、AVX-512、AVX2 VNNI、AVX2（8 宽、FMA）或 portable。"""
+        name = "AVX-512" if self.width == 16 else "AVX2" if self.fma else "portable"
+        return f"{name} VNNI" if self.vnni else name
 
     def matvec(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]；int4 的 blocks 是 [B, in, 16] 个
-        uint8、每个字节两个权重，scales [B, ⌈in/32⌉, 32] float16）→ [M, B·32]，dtype 同 x。"""
+        """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]；int4 的 blocks 是 uint8、每个字节
+        两个权重，scales [B, ⌈in/32⌉, 32] float16，见 linear.py 的 quantize_int4）→ [M, B·32]，dtype 同 x。"""
         xf = x.float().contiguous()
         y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
         self.matvecs[blocks.dtype](xf.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(),
@@ -153,12 +155,13 @@ class Kernel:
 
     def quantize_int4(self, parts, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
         """几个 [out_i, in] 的矩阵（上下拼起来）→ 对称的 int4，每个输出每 32 个输入一个 float16 的比例：
-        (q [⌈Σ out_i / 32⌉, in, 16] uint8，scales [⌈Σ out_i / 32⌉, ⌈in/32⌉, 32] float16)，公式见 linear.py 的 quantize_int4。
+        (q [⌈Σ out_i / 32⌉, 8·⌈in/32⌉, 64] uint8，scales [⌈Σ out_i / 32⌉, ⌈in/32⌉, 32] float16)，公式与布局见 linear.py 的
+        quantize_int4。
         每次只读 rows 行：矩阵可以是还在文件里的 FileRows。"""
         total, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
         B, groups = -(-total // BLOCK), -(-n_in // QGROUP)
-        q = huge_pages(torch.full((B, n_in, BLOCK // 2), 0x88, dtype=torch.uint8))  # 补的零行：q = 0
-        scales = torch.zeros(B, groups, BLOCK, dtype=torch.float16)
+        q = huge_pages(torch.empty(B, groups * QGROUP // 4, 2 * BLOCK, dtype=torch.uint8)).fill_(0x88)  # 补的行与输入：q = 0
+        scales = huge_pages(torch.empty(B, groups, BLOCK, dtype=torch.float16)).zero_()  # 大页要在第一次写之前申请
         row0 = 0
         for p in parts:
             for i in range(0, p.shape[0], rows):
@@ -220,7 +223,8 @@ def fake_matvec(x, blocks, scales):
 
 
 # 测试用：在这台机器上把内核编成更窄的向量（-march=native 给的是最宽的那种）。FMA 的几种宽度逐位相同
-NARROWER = {"AVX2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+NARROWER = {"AVX-512": ["-mno-avx512vnni"], "AVX2": ["-mno-avx512f", "-mno-avxvnni"],
+            "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avxvnni"]}
 
 
 def load_kernel(cxx: str, flags=FLAGS) -> Kernel:

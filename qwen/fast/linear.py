@@ -72,22 +72,42 @@ def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
 
 
 def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] 乘分块布局的权重 blocks [B, in, 32]（int8 的再乘每个输出的比例 scales [B, 32]；int4 的先反量化，
-    见 dequantize_int4）→ [M, B·32]：y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。这是它的定义，写成 PyTorch
-    给人读、给测试对照；真正用的是 matvec.cpp 里同一个公式的 C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
+    """x [M, in] 乘分块布局的权重 blocks [B, in, 32]（int8 的再乘每个输出的比例 scales [B, 32]；int4 的见 quantize_int4：
+    输入也量化）→ [M, B·32]：y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。这是它的定义，写成 PyTorch 给人读、给测试
+    对照；真正用的是 matvec.cpp 里同一个公式的 C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
     if blocks.dtype == torch.uint8:
-        blocks, scales = dequantize_int4(blocks, scales), None
+        return int4_reference(x, blocks, scales)
     y = torch.einsum("mi,bij->mbj", x.float(), blocks.float())  # [M, B, 32]
     y = y if scales is None else y * scales
     return y.flatten(1).to(x.dtype)
 
 
-def dequantize_int4(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int4 的块 → float32 的块 [B, in, 32]：w = (q − 8) · s。q [B, in, 16] 的每个字节里低 4 位是第 j 个输出、高 4 位是
-    第 j+16 个（存的是 q + 8）；scales [B, ⌈in/32⌉, 32] float16，每 32 个输入一个。C++ 的 matvec 乘的就是这些数。"""
-    n_in = q.shape[1]
-    w = torch.cat([q & 15, q >> 4], dim=-1).float() - 8  # [B, in, 32]
-    return w * scales.float().repeat_interleave(QGROUP, dim=1)[:, :n_in]
+def int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """int4 的块 q [B, 8G, 64] uint8 → 整数 q [B, 32G, 32]（−8…7；G 组、32G 是补齐的输入维）。一份 64 个字节是一块的
+    4 个输入：第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，高 4 位是第 j + 16 个输出（存的是 q + 8）。"""
+    B, P, _ = q.shape
+    lo, hi = (q & 15).view(B, P, 16, 4), (q >> 4).view(B, P, 16, 4)  # [B, 份, 输出 j, 输入 t]
+    w = torch.cat([lo, hi], dim=2).transpose(2, 3).reshape(B, 4 * P, 32)  # [B, 输入, 32 个输出]
+    return w.to(torch.int32) - 8
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, n_in: int) -> torch.Tensor:
+    """int4 的块 → float32 的块 [B, in, 32]：w = q · s（scales [B, ⌈in/32⌉, 32] float16，每 32 个输入一个）。"""
+    return (int4_codes(q).float() * scales.float().repeat_interleave(QGROUP, dim=1))[:, :n_in]
+
+
+def int4_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int4 的 matvec 的定义（matvec.cpp 的 matvec_int4 是它的 C++ 循环）：x 每 32 个输入一组量化成 int8，
+    dx = max|x| / 127，xq = round(x / dx)；每组的整数和 Σ q·xq 乘 (s · dx)，各组相加。"""
+    M, n_in = x.shape
+    G = scales.shape[1]
+    xg = F.pad(x.float(), (0, G * QGROUP - n_in)).view(M, G, QGROUP)
+    dx = xg.abs().amax(-1, keepdim=True) / 127  # [M, G, 1]
+    xq = torch.where(dx == 0, 0, torch.round(xg / dx))
+    codes = int4_codes(q).view(q.shape[0], G, QGROUP, BLOCK).double()  # [B, G, 32 个输入, 32 个输出]
+    dots = torch.einsum("mgi,bgij->mbgj", xq.double(), codes)  # 每组的整数和（double 里是精确的）
+    y = (dots * scales.double()[None] * dx.double()[:, None]).sum(2)  # [M, B, 32]
+    return y.flatten(1).to(x.dtype)
 
 
 def load_matvec(cxx: str | None = None):
@@ -156,7 +176,8 @@ def quantize_int8(weight, kernel, rows: int = 8192) -> tuple[torch.Tensor, torch
 def quantize_int4(parts, kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """对称的 int4，每个输出每 32 个输入一组（像 llama.cpp 的 Q4_0）：m 是这一组里绝对值最大的那个权重（带符号），
     s = float16(m / −8)，q = clamp(round(w / s), −8, 7)——m 自己正好是 −8，16 个值都用上。几个 [out_i, in] 的矩阵
-    （parts，上下拼起来）→ 分块的 (q [B, in, 16] uint8，一个字节两个权重；scales [B, ⌈in/32⌉, 32] float16)。
+    （parts，上下拼起来）→ 分块的 (q [B, 8·⌈in/32⌉, 64] uint8，一个字节两个权重，见 int4_codes；
+    scales [B, ⌈in/32⌉, 32] float16)。乘的时候输入也每 32 个一组量化成 int8，整数点积（int4_reference）。
     每个权重 4 位、每 32 个另有 16 位的比例：4.5 位，是 bfloat16 的 28%。算的是 kernel（matvec.cpp）里的 C++ 循环，
     每次只读几千行（parts 可以是还在文件里的 FileRows）。"""
     return kernel.quantize_int4(parts)
@@ -193,7 +214,7 @@ class BlockedLinear(nn.Module):
     def dense(self) -> torch.Tensor:
         """拼回普通布局 [out, in]（int8 的乘回比例，int4 的反量化），长的预填充交给 F.linear。"""
         if self.blocks.dtype == torch.uint8:
-            return from_blocks(dequantize_int4(self.blocks, self.scales), self.out_features).to(self.dtype)
+            return from_blocks(dequantize_int4(self.blocks, self.scales, self.in_features), self.out_features).to(self.dtype)
         w = from_blocks(self.blocks, self.out_features)
         return w.to(self.dtype) if self.scales is None else (w * self.scales.flatten()[: self.out_features, None]).to(self.dtype)
 

@@ -17,7 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
+#include <vector>
 #if defined(__AVX__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -29,9 +29,6 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef int8_t v8b __attribute__((vector_size(8)));
-struct Int4 {  // int4 的块里的一个字节：两个 4 位的权重（见 nibbles）
-  uint8_t two;
-};
 
 // 一个向量寄存器：有 AVX-512 时 16 个 float32（32 个 zmm 寄存器），否则 8 个（AVX2 的 16 个 ymm）。宽窄只改每条指令算几个
 // 输出：每个输出仍是自己的累加器、沿输入维从头到尾乘加，所以两种宽度的结果逐位相同
@@ -48,7 +45,6 @@ constexpr int GROUP = 3;  // 3 行 × 4 个累加向量 + 3 个广播的输入�
 constexpr int BLOCK = 32;             // 每块的输出个数
 constexpr int LANES = BLOCK / WIDTH;  // 每行几个累加向量
 constexpr int AHEAD = 64;             // 预取提前几个输入（bfloat16 时 64 行 × 64 字节 = 4 KB）
-constexpr int QGROUP = 32;            // int4：每个输出每这么多个输入一个比例
 
 inline vec madd(vec acc, vec x, vec w) {  // acc + x·w
 #if defined(__AVX512F__)
@@ -115,45 +111,6 @@ inline vec load(const int8_t* p) {  // int8（quantize="int8"）：比例在累�
 #endif
 }
 
-// int4（quantize="int4"）：一块的一个输入是 16 个字节、32 个 4 位的数：第 j 个字节的低 4 位是第 j 个输出、高 4 位是第 j+16 个，
-// 存的是 q + 8（0…15），值是 q ∈ [−8, 7]。第 k 个向量（WIDTH 个输出）从哪几个字节、取低还是高 4 位：
-// AVX-512 上 k = 0 低、1 高，都是 16 个字节；8 宽时 k = 0、1 是字节 0…7、8…15 的低 4 位，2、3 是它们的高 4 位
-inline vec nibbles(const uint8_t* p, int k) {
-  constexpr int HALF = LANES / 2;  // 低 4 位占几个向量
-  const uint8_t* bytes = p + (k % HALF) * WIDTH;
-  const int shift = k < HALF ? 0 : 4;
-#if defined(__AVX512F__)  // vpmovzxbd 读 16 个字节，vpermps 按低 4 位查表 q + 8 → q（一条指令，高位不看）
-  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)bytes));
-  return (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(b, shift), table);
-#elif defined(__AVX2__)  // vpmovzxbd 读 8 个字节，移位、取低 4 位、减 8，转成 float32
-  __m256i b = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)bytes)), shift);
-  b = _mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), _mm256_set1_epi32(8));
-  return (vec)_mm256_cvtepi32_ps(b);
-#else
-  vec v;
-  for (int j = 0; j < WIDTH; ++j) v[j] = float(((bytes[j] >> shift) & 15) - 8);
-  return v;
-#endif
-}
-
-// float16 的比例（int4 每 32 个输入一个）：WIDTH 个转成 float32
-inline vec load_half(const uint16_t* p) {
-#if defined(__AVX512F__)
-  return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#elif defined(__F16C__)
-  return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#else
-  vec v;
-  for (int j = 0; j < WIDTH; ++j) {
-    _Float16 h;
-    std::memcpy(&h, p + j, sizeof h);
-    v[j] = float(h);
-  }
-  return v;
-#endif
-}
-
 // G 行输入 x [G, in] 乘相邻的 N 块权重 w [N, in, 32] → out [N, G, 32]。一行只乘一两块时累加链太少：每个乘加要等上一个
 // 乘加（同一个累加器）的结果，几个时钟周期才出来；同时乘相邻的几块，链多了，乘加单元不必空等。每个输出仍是自己的
 // 累加器、沿输入维从头到尾乘加，同时乘几块、几行都不改变它的结果
@@ -178,57 +135,12 @@ void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
   std::memcpy(out, acc, sizeof acc);
 }
 
-// int4 的 G 行乘相邻的 N 块：w [N, in, 16] 字节，s [N, ⌈in/32⌉, 32] float16。每 32 个输入换一次比例；权重先还原成
-// float32 的 (q − 8)·s（一次乘法、一次舍入），再与别的 dtype 一样乘加进自己的累加器：结果与“先把整个矩阵反量化成 float32
-// 的块、再用 float32 的 matvec 乘”逐位相同
-template <int G, int N>
-void block_rows_q4(const float* x, int64_t n_in, const Int4* w4, const uint16_t* s, float* out) {
-  constexpr int64_t BYTES = BLOCK / 2;  // 一块的一个输入占几个字节
-  const uint8_t* w = &w4->two;
-  const int64_t groups = (n_in + QGROUP - 1) / QGROUP;
-  vec acc[N][G][LANES];
-  for (int n = 0; n < N; ++n)
-    for (int g = 0; g < G; ++g)
-      for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
-  for (int64_t c = 0; c < groups; ++c) {
-    vec sc[N][LANES];  // 这 32 个输入的比例，每块每个输出一个
-    for (int n = 0; n < N; ++n)
-      for (int k = 0; k < LANES; ++k) sc[n][k] = load_half(s + (n * groups + c) * BLOCK + k * WIDTH);
-    for (int64_t i = c * QGROUP; i < std::min(n_in, (c + 1) * QGROUP); ++i) {
-      vec xs[G];
-      for (int g = 0; g < G; ++g) xs[g] = broadcast(x[g * n_in + i]);
-      for (int n = 0; n < N; ++n) {
-        const uint8_t* wn = w + (n * n_in + i) * BYTES;
-        __builtin_prefetch(wn + 2 * AHEAD * BYTES);  // 与别的 dtype 预取同样多的字节之后
-        for (int k = 0; k < LANES; ++k) {
-          vec wv = nibbles(wn, k) * sc[n][k];
-          for (int g = 0; g < G; ++g) acc[n][g][k] = madd(acc[n][g][k], xs[g], wv);
-        }
-      }
-    }
-  }
-  std::memcpy(out, acc, sizeof acc);
-}
-
-// s：int4 的比例（别的 dtype 没有，是空指针）
-template <typename W, int G, int N>
-void rows(const float* x, int64_t n_in, const W* w, const uint16_t* s, float* out) {
-  if constexpr (std::is_same_v<W, Int4>) block_rows_q4<G, N>(x, n_in, w, s, out);
-  else block_rows<W, G, N>(x, n_in, w, out);
-}
-
-// 第 b 块从哪儿开始：一块是 in × 32 个权重，int4 的一个字节是两个
-template <typename W>
-const W* block_at(const W* w, int64_t b, int64_t n_in) {
-  return w + b * n_in * (std::is_same_v<W, Int4> ? BLOCK / 2 : BLOCK);
-}
-
 // 每个线程的一段连续的块里，一次乘几块、每块分几组乘几行
 template <typename W>
-using RowsFn = void (*)(const float*, int64_t, const W*, const uint16_t*, float*);
+using RowsFn = void (*)(const float*, int64_t, const W*, float*);
 template <typename W, int N, size_t... G>
 std::array<RowsFn<W>, sizeof...(G)> make_table(std::index_sequence<G...>) {
-  return {&rows<W, int(G) + 1, N>...};
+  return {&block_rows<W, int(G) + 1, N>...};
 }
 template <typename W, int N>
 RowsFn<W> rows_of(int64_t g) {  // block_rows<W, g, N>
@@ -240,13 +152,11 @@ RowsFn<W> rows_of(int64_t g) {  // block_rows<W, g, N>
 // 除以 GROUP 余 1 时（4、7、10……行）第一组乘 4 行：不然最后一组只有 1 行，为它把权重再转一遍 float32。4 行的 16 个
 // 累加向量放不下寄存器，编译器把几个留在 L1 里，乘加慢一些；放在第一组，正好与从内存读这一块的时间重叠
 template <typename W, int N>
-void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, const uint16_t* group, float* y,
-          int64_t B, int64_t b) {
+void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B, int64_t b) {
   float acc[N * (GROUP + 1) * BLOCK];
-  const uint16_t* gb = group ? group + b * ((n_in + QGROUP - 1) / QGROUP) * BLOCK : nullptr;  // int4：这几块的比例
   for (int64_t m = 0, g = 0; m < M; m += g) {
     g = WIDTH == 8 && m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
-    rows_of<W, N>(g)(x + m * n_in, n_in, block_at(w, b, n_in), gb, acc);
+    rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, acc);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r) {
         float* yr = y + (m + r) * B * BLOCK + (b + n) * BLOCK;
@@ -257,12 +167,10 @@ void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scal
   }
 }
 
-// x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 每个输出的比例；group
-// [B, ⌈in/32⌉, 32] float16 或空：int4 每 32 个输入的比例）。按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读
-// 自己那一段。
+// x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 的比例）。
+// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那一段。
 template <typename W>
-void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, const uint16_t* group, float* y,
-            int64_t B) {
+void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
   // 一组的累加向量至多 ACC 个（其余寄存器放广播的输入与权重）：行少时一次乘相邻的 2 或 4 块
   constexpr int ACC = WIDTH == 16 ? 16 : 8;
   const int64_t fit = ACC / (LANES * std::min<int64_t>(M, GROUP)), N = fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
@@ -270,10 +178,10 @@ void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* sc
 #pragma omp parallel for schedule(static) if (B * n_in >= 32768)  // 很小的矩阵不值得叫醒别的线程
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t b = t * N;
-    if (N == 4 && b + 4 <= B) tile<W, 4>(x, M, n_in, w, scales, group, y, B, b);
-    else if (N == 2 && b + 2 <= B) tile<W, 2>(x, M, n_in, w, scales, group, y, B, b);
+    if (N == 4 && b + 4 <= B) tile<W, 4>(x, M, n_in, w, scales, y, B, b);
+    else if (N == 2 && b + 2 <= B) tile<W, 2>(x, M, n_in, w, scales, y, B, b);
     else
-      for (int64_t c = b; c < std::min(B, b + N); ++c) tile<W, 1>(x, M, n_in, w, scales, group, y, B, c);
+      for (int64_t c = b; c < std::min(B, b + N); ++c) tile<W, 1>(x, M, n_in, w, scales, y, B, c);
   }
 }
 
@@ -315,29 +223,210 @@ void quantize_int8(const S* w, int64_t n, int64_t n_in, int8_t* q, float* scale,
   }
 }
 
+float same(float v) { return v; }
+
+// ---------- int4（quantize="int4"）：整数点积 ----------
+//
+// 4 位的权重还原成 float32 再乘加，每个权重要好几条指令（取出 4 位、转换、乘比例），解码就被计算卡住，读的字节再少也
+// 快不起来。像 llama.cpp 的 Q4_0 那样换成整数：输入 x 每 32 个一组量化成 int8（dx = max|x| / 127，xq = round(x / dx)），
+// 权重是 0…15 的 u8（存的是 q + 8），一条 vpdpbusd（AVX-512 VNNI）把 4 对 u8 × s8 的积加进一个 int32：一条指令 64 次乘加。
+// 一组 32 个输入的整数和是精确的，与怎样分组、几行一起算都无关；每组结束时它再乘 (权重比例 · dx)、乘加进 float32 的累加器，
+// 沿输入维一组一组从头到尾：每一行的结果与单独乘它时逐位相同，验证的行就是解码的行。
+//
+// 分块布局：一块（32 个输出）的输入按 4 个一份，一份 64 个字节：第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，
+// 高 4 位是第 j + 16 个输出（j < 16）。比例 [块, 组, 32] float16。输入维补到 32 的倍数（补的权重是 0，补的输入也是 0）。
+
+#ifndef Q4AHEAD
+#define Q4AHEAD 4096
+#endif
+constexpr int QIN = 32;  // int4：每个输出每这么多个输入一个比例，输入也按这么多个一组量化
+typedef int32_t ivec __attribute__((vector_size(WIDTH * 4)));  // WIDTH 个 int32，或 4·WIDTH 个字节
+typedef uint8_t bvec __attribute__((vector_size(WIDTH * 4)));
+
+// 一份 64 个字节里的第 k 个向量：WIDTH 个输出 × 4 个输入的 u8 权重。AVX-512 上 k = 0 低 4 位、1 高 4 位；8 宽时 k = 0、1
+// 是前后 32 个字节的低 4 位，2、3 是它们的高 4 位。有 VNNI 时高 4 位不移下来，原地取出（HI = 16 倍的值，0、16…240）：
+// 少一条移位，整数和是精确的 16 倍，乘比例时再乘 1/16（2 的幂，不舍入，结果逐位相同）。没有 VNNI 时 maddubs 先把两个积
+// 加成 int16，240·127·2 会饱和，所以移下来
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+constexpr int HI = 16;
+#else
+constexpr int HI = 1;
+#endif
+constexpr int HALF = LANES / 2;  // 低 4 位占几个向量
+inline ivec nibbles(const uint8_t* p, int k) {
+  bvec b;
+  std::memcpy(&b, p + (k % HALF) * WIDTH * 4, sizeof b);
+  return (ivec)(k < HALF ? b & 0x0F : HI == 16 ? b & 0xF0 : (b >> 4) & 0x0F);
+}
+
+// acc[j] + Σ_t w.u8[4j + t] · x.s8[4j + t]：整数，精确（|w| ≤ 15、|x| ≤ 127，不会溢出）
+inline ivec dot4(ivec acc, ivec w, ivec x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return (ivec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+#elif defined(__AVX512BW__) && defined(__AVX512F__)  // u8 × s8 两两相加成 int16（不饱和：2·15·127），再两两加成 int32
+  return acc + (ivec)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)w, (__m512i)x), _mm512_set1_epi16(1));
+#elif defined(__AVXVNNI__) && !defined(__AVX512F__)
+  return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  return acc + (ivec)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)w, (__m256i)x), _mm256_set1_epi16(1));
+#else
+  bvec wb = (bvec)w;
+  typedef int8_t svec __attribute__((vector_size(WIDTH * 4)));
+  svec xb = (svec)x;
+  for (int j = 0; j < WIDTH; ++j)
+    for (int t = 0; t < 4; ++t) acc[j] += int32_t(wb[4 * j + t]) * int32_t(xb[4 * j + t]);
+  return acc;
+#endif
+}
+
+inline vec load_half(const uint16_t* p) {  // WIDTH 个 float16 → float32（int4 的比例）
+#if defined(__AVX512F__)
+  return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+  return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vec v;
+  for (int j = 0; j < WIDTH; ++j) {
+    _Float16 h;
+    std::memcpy(&h, p + j, sizeof h);
+    v[j] = float(h);
+  }
+  return v;
+#endif
+}
+
+// 量化好的输入：xq [M, 补齐的 in] int8，每组的 dx [M, 组] 与 Σ xq [M, 组]
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int32_t> sum;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t n_in, int64_t groups) {
+  QuantizedRows r{std::vector<int8_t>(M * groups * QIN), std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < groups; ++c) {
+      const int64_t i0 = c * QIN, i1 = std::min<int64_t>(n_in, i0 + QIN);
+      float amax = 0.0f;
+      for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(x[m * n_in + i]));
+      const float d = amax / 127.0f;
+      int32_t sum = 0;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int8_t q = d == 0.0f ? 0 : int8_t(std::nearbyint(x[m * n_in + i] / d));
+        r.xq[(m * groups + c) * QIN + i - i0] = q;
+        sum += q;
+      }
+      r.dx[m * groups + c] = d;
+      r.sum[m * groups + c] = sum;
+    }
+  return r;
+}
+
+// G 行（量化好的输入，从第 m0 行起）乘相邻的 N 块 int4 → out [N, G, 32]
+template <int G, int N>
+void q4_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* w, const uint16_t* s, float* out) {
+  const int64_t stride = groups * QIN * (BLOCK / 2);  // 一块几个字节
+  vec acc[N][G][LANES];
+  for (int n = 0; n < N; ++n)
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
+  for (int64_t c = 0; c < groups; ++c) {
+    ivec dot[N][G][LANES];  // 这一组的整数和，从 −8·Σ xq 起（权重存的是 q + 8；高 4 位的是 HI 倍）
+    for (int g = 0; g < G; ++g) {
+      const int32_t sum = x.sum[(m0 + g) * groups + c];
+      for (int n = 0; n < N; ++n)
+        for (int k = 0; k < LANES; ++k) dot[n][g][k] = ivec{} - (k < HALF ? 8 : 8 * HI) * sum;
+    }
+    for (int p = 0; p < QIN / 4; ++p) {
+      ivec xs[G];  // 第 g 行这 4 个输入的 int8，广播到每个 int32
+      for (int g = 0; g < G; ++g) {
+        int32_t four;
+        std::memcpy(&four, &x.xq[((m0 + g) * groups + c) * QIN + 4 * p], 4);
+        xs[g] = ivec{} + four;
+      }
+      for (int n = 0; n < N; ++n) {
+        const uint8_t* wn = w + n * stride + (c * QIN / 4 + p) * 2 * BLOCK;
+        __builtin_prefetch(wn + Q4AHEAD);
+        for (int k = 0; k < LANES; ++k) {
+          const ivec wv = nibbles(wn, k);
+          for (int g = 0; g < G; ++g) dot[n][g][k] = dot4(dot[n][g][k], wv, xs[g]);
+        }
+      }
+    }
+    for (int n = 0; n < N; ++n)
+      for (int k = 0; k < LANES; ++k) {
+        const vec sw = load_half(s + (n * groups + c) * BLOCK + k * WIDTH) * (k < HALF ? 1.0f : 1.0f / HI);
+        for (int g = 0; g < G; ++g) {
+          const vec scale = sw * broadcast(x.dx[(m0 + g) * groups + c]);
+          acc[n][g][k] = madd(acc[n][g][k], __builtin_convertvector(dot[n][g][k], vec), scale);
+        }
+      }
+  }
+  std::memcpy(out, acc, sizeof acc);
+}
+
+constexpr int Q4ROWS = WIDTH == 16 ? 4 : 2;  // 一组几行：每行要两套累加器（整数的与 float32 的）
+
+template <int N, size_t... G>
+std::array<void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const uint16_t*, float*), sizeof...(G)>
+q4_table(std::index_sequence<G...>) {
+  return {&q4_rows<int(G) + 1, N>...};
+}
+
+template <int N>
+void q4_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* w, const uint16_t* s, float* y,
+             int64_t B, int64_t b) {
+  static const auto table = q4_table<N>(std::make_index_sequence<Q4ROWS>{});
+  float acc[N * Q4ROWS * BLOCK];
+  for (int64_t m = 0, g = 0; m < M; m += g) {
+    g = std::min<int64_t>(M - m, Q4ROWS);
+    table[g - 1](x, m, groups, w + b * groups * QIN * (BLOCK / 2), s + b * groups * BLOCK, acc);
+    for (int n = 0; n < N; ++n)
+      for (int64_t r = 0; r < g; ++r)
+        std::memcpy(y + (m + r) * B * BLOCK + (b + n) * BLOCK, acc + (n * g + r) * BLOCK, BLOCK * sizeof(float));
+  }
+}
+
+// x [M, in] float32 乘 int4 的块 w（[B, 补齐的 in / 4, 64] 字节）、比例 s [B, 组, 32] float16 → y [M, B·32]
+void matvec_int4(const float* x, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, float* y, int64_t B) {
+  const int64_t groups = (n_in + QIN - 1) / QIN;
+  const QuantizedRows xq = quantize_rows(x, M, n_in, groups);
+  constexpr int ACC = WIDTH == 16 ? 8 : 4;  // 一组的 float32 累加向量至多几个（整数的另有同样多）
+  const int64_t fit = ACC / (LANES * std::min<int64_t>(M, Q4ROWS)), N = fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+  const int64_t tiles = (B + N - 1) / N;
+#pragma omp parallel for schedule(static) if (B * n_in >= 32768)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t b = t * N;
+    if (N == 4 && b + 4 <= B) q4_tile<4>(xq, M, groups, w, s, y, B, b);
+    else if (N == 2 && b + 2 <= B) q4_tile<2>(xq, M, groups, w, s, y, B, b);
+    else
+      for (int64_t c = b; c < std::min(B, b + N); ++c) q4_tile<1>(xq, M, groups, w, s, y, B, c);
+  }
+}
+
 // 对称的 int4，每个输出每 32 个输入一组（像 llama.cpp 的 Q4_0）：m 是这一组里绝对值最大的那个权重（带符号），
-// s = float16(m / −8)，q = clamp(round(w / s), −8, 7)（m 自己正好是 −8，用满 16 个值）；s 舍入成 0 时 q 也是 0。
-// src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进 q [B, in, 16]（调用的人先填满 0x88，即 q = 0）与
-// scales [B, ⌈in/32⌉, 32] 里对应的位置（与 to_blocks 同样的分块）。各块交给各个线程：一个字节的两个权重在同一块里
+// s = float16(m / −8)，q = clamp(round(w / s), −8, 7)（m 自己正好是 −8，16 个值都用上）；s 舍入成 0 时 q 也是 0。
+// src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进 q（上面的布局；调用的人先填满 0x88，即 q = 0）与 scales
+// 里对应的位置。各块交给各个线程：一个字节的两个权重在同一块里
 template <typename S, typename F>
 void quantize_int4(const S* src, int64_t n, int64_t n_in, int64_t row0, uint8_t* q, uint16_t* scales, F convert) {
-  const int64_t groups = (n_in + QGROUP - 1) / QGROUP, b0 = row0 / BLOCK, b1 = (row0 + n + BLOCK - 1) / BLOCK;
+  const int64_t groups = (n_in + QIN - 1) / QIN, b0 = row0 / BLOCK, b1 = (row0 + n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
   for (int64_t b = b0; b < b1; ++b) {
     int64_t j0 = std::max<int64_t>(row0, b * BLOCK) - b * BLOCK, j1 = std::min<int64_t>(row0 + n, (b + 1) * BLOCK) - b * BLOCK;
     for (int64_t j = j0; j < j1; ++j) {
       const S* row = src + (b * BLOCK + j - row0) * n_in;
       for (int64_t c = 0; c < groups; ++c) {
-        const int64_t i0 = c * QGROUP, i1 = std::min<int64_t>(n_in, i0 + QGROUP);
+        const int64_t i0 = c * QIN, i1 = std::min<int64_t>(n_in, i0 + QIN);
         float m = 0.0f;
         for (int64_t i = i0; i < i1; ++i)
           if (std::fabs(convert(row[i])) > std::fabs(m)) m = convert(row[i]);
         const _Float16 h = _Float16(std::max(-65504.0f, std::min(65504.0f, m / -8.0f)));  // float16 的范围之内
-        const float s = float(h);
+        const float sc = float(h);
         std::memcpy(scales + (b * groups + c) * BLOCK + j, &h, sizeof h);
         for (int64_t i = i0; i < i1; ++i) {
-          const int v = s == 0.0f ? 0 : int(std::min(7.0f, std::max(-8.0f, std::nearbyint(convert(row[i]) / s))));
-          uint8_t& byte = q[(b * n_in + i) * (BLOCK / 2) + j % (BLOCK / 2)];
+          const int v = sc == 0.0f ? 0 : int(std::min(7.0f, std::max(-8.0f, std::nearbyint(convert(row[i]) / sc))));
+          uint8_t& byte = q[b * groups * QIN * (BLOCK / 2) + (i / 4) * 2 * BLOCK + (j % (BLOCK / 2)) * 4 + i % 4];
           byte = j < BLOCK / 2 ? uint8_t((byte & 0xF0) | (v + 8)) : uint8_t((byte & 0x0F) | ((v + 8) << 4));
         }
       }
@@ -345,13 +434,12 @@ void quantize_int4(const S* src, int64_t n, int64_t n_in, int64_t row0, uint8_t*
   }
 }
 
-float same(float v) { return v; }
-
 }  // namespace
 
 // kernel.py 用 ctypes 调用的入口：名字里是权重（源）与结果的 dtype
 extern "C" {
 int matvec_width() { return WIDTH; }  // 编出来的向量有几个 float32 宽：16（AVX-512）或 8（AVX2 及别的）
+int matvec_vnni() { return HI == 16; }  // int4 的整数点积是不是一条 vpdpbusd（VNNI）
 int matvec_fma() {                   // 乘加是不是一条 FMA（不是的话先乘、舍入，再加）
 #if defined(__FMA__) || defined(__AVX512F__)
   return 1;
@@ -360,16 +448,16 @@ int matvec_fma() {                   // 乘加是不是一条 FMA（不是的话
 #endif
 }
 void matvec_f32(const float* x, int64_t M, int64_t n_in, const float* w, const float* s, float* y, int64_t B) {
-  matvec(x, M, n_in, w, s, nullptr, y, B);
+  matvec(x, M, n_in, w, s, y, B);
 }
 void matvec_bf16(const float* x, int64_t M, int64_t n_in, const uint16_t* w, const float* s, float* y, int64_t B) {
-  matvec(x, M, n_in, w, s, nullptr, y, B);
+  matvec(x, M, n_in, w, s, y, B);
 }
 void matvec_i8(const float* x, int64_t M, int64_t n_in, const int8_t* w, const float* s, float* y, int64_t B) {
-  matvec(x, M, n_in, w, s, nullptr, y, B);
+  matvec(x, M, n_in, w, s, y, B);
 }
 void matvec_q4(const float* x, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, float* y, int64_t B) {
-  matvec(x, M, n_in, reinterpret_cast<const Int4*>(w), nullptr, s, y, B);
+  matvec_int4(x, M, n_in, w, s, y, B);
 }
 void to_blocks_f32_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, float* out) {
   to_blocks(src, n, n_in, row0, out, same);
