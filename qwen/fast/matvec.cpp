@@ -111,40 +111,6 @@ inline vec load(const int8_t* p) {  // int8（quantize="int8"）：比例在累�
 #endif
 }
 
-// bfloat16 的模型（输入本来就是 bfloat16 的值）在有 AVX-512 BF16 的 CPU 上：一条 vdpbf16ps 把相邻两个输入的两个积
-// 加进一个 float32（Intel 的定义：先加第 2i+1 个的积、舍入，再加第 2i 个的、舍入；bfloat16 的积在 float32 里是精确的；
-// 次正规数当 0），一条指令 32 次乘加，不必先把权重转成 float32。权重按两个输入一对存放：Pair 是一块里一个输出的
-// (w[2i], w[2i+1])，一块 [in/2, 32] 对；输入也两个一对（x 里存的是一对 bfloat16 的位，不是 float32）。
-// 每个输出仍是自己的累加器、沿输入维一对一对从头到尾：与一次算几行无关。没有这条指令的 CPU 用不到它（kernel.py 不建
-// 这种布局），下面的标量写法只是把定义写出来
-struct Pair {
-  uint32_t two;
-};
-inline vec load(const Pair* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vec broadcast_bits(const float* p) {  // 一对 bfloat16 的 32 位原样广播（不当作 float32 运算）
-  uint32_t u;
-  std::memcpy(&u, p, sizeof u);
-  typedef uint32_t vu __attribute__((vector_size(WIDTH * 4)));
-  return (vec)(vu{} + u);
-}
-inline vec dot_pairs(vec acc, vec x, vec w) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return (vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)w, (__m512bh)x);
-#else
-  typedef uint32_t vu __attribute__((vector_size(WIDTH * 4)));
-  vu xu = (vu)x, wu = (vu)w;
-  for (int j = 0; j < WIDTH; ++j) {
-    acc[j] += bf16_to_float(xu[j] >> 16) * bf16_to_float(wu[j] >> 16);
-    acc[j] += bf16_to_float(xu[j] & 0xffff) * bf16_to_float(wu[j] & 0xffff);
-  }
-  return acc;
-#endif
-}
-
 // G 行输入 x [G, in] 乘相邻的 N 块权重 w [N, in, 32] → out [N, G, 32]。一行只乘一两块时累加链太少：每个乘加要等上一个
 // 乘加（同一个累加器）的结果，几个时钟周期才出来；同时乘相邻的几块，链多了，乘加单元不必空等。每个输出仍是自己的
 // 累加器、沿输入维从头到尾乘加，同时乘几块、几行都不改变它的结果
@@ -156,19 +122,13 @@ void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
       for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
   for (int64_t i = 0; i < n_in; ++i) {
     vec xs[G];
-    for (int g = 0; g < G; ++g) {  // 第 g 行的 x[i] 广播成 WIDTH 份
-      if constexpr (std::is_same_v<W, Pair>) xs[g] = broadcast_bits(x + g * n_in + i);
-      else xs[g] = broadcast(x[g * n_in + i]);
-    }
+    for (int g = 0; g < G; ++g) xs[g] = broadcast(x[g * n_in + i]);  // 第 g 行的 x[i] 广播成 WIDTH 份
     for (int n = 0; n < N; ++n) {
       const W* wn = w + n * n_in * BLOCK + i * BLOCK;
       __builtin_prefetch(wn + AHEAD * BLOCK);  // 先要后面的权重：乘加的同时内存已在送下一段（越过块尾就是下一块）
       for (int k = 0; k < LANES; ++k) {
         vec wv = load(wn + k * WIDTH);
-        for (int g = 0; g < G; ++g) {
-          if constexpr (std::is_same_v<W, Pair>) acc[n][g][k] = dot_pairs(acc[n][g][k], xs[g], wv);
-          else acc[n][g][k] = madd(acc[n][g][k], xs[g], wv);
-        }
+        for (int g = 0; g < G; ++g) acc[n][g][k] = madd(acc[n][g][k], xs[g], wv);
       }
     }
   }
@@ -227,14 +187,13 @@ void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* sc
 
 // 加载时换布局：矩阵 src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进分块布局 out [B, in, 32] 里对应的位置，
 // 顺便从 S 转成 D。一次读、一次写：不必先转 dtype、再拼接、再转置，各复制一遍
-// pairs：bfloat16 按两个输入一对存放（Pair 的布局，[B, ⌈in/2⌉, 32, 2]；输入维是奇数时最后一对的后一个由调用的人补 0）
 template <typename S, typename D, typename F>
-void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F convert, bool pairs = false) {
+void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F convert) {
   int64_t b0 = row0 / BLOCK, b1 = (row0 + n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
   for (int64_t b = b0; b < b1; ++b) {
     int64_t j0 = std::max<int64_t>(row0, b * BLOCK) - b * BLOCK, j1 = std::min<int64_t>(row0 + n, (b + 1) * BLOCK) - b * BLOCK;
-    D* ob = out + b * (pairs ? (n_in + 1) / 2 * 2 : n_in) * BLOCK;
+    D* ob = out + b * n_in * BLOCK;
     D tile[BLOCK][16];  // 32 行 × 16 个输入：先按行连续地读进来（转好 dtype），再按列写出去，都在 L1 里
     for (int64_t i0 = 0; i0 < n_in; i0 += 16) {
       int64_t w = std::min<int64_t>(16, n_in - i0);
@@ -243,10 +202,7 @@ void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F co
         for (int64_t ii = 0; ii < w; ++ii) tile[j][ii] = convert(row[ii]);
       }
       for (int64_t ii = 0; ii < w; ++ii)
-        for (int64_t j = j0; j < j1; ++j) {
-          const int64_t i = i0 + ii;
-          ob[pairs ? ((i / 2) * BLOCK + j) * 2 + i % 2 : i * BLOCK + j] = tile[j][ii];
-        }
+        for (int64_t j = j0; j < j1; ++j) ob[(i0 + ii) * BLOCK + j] = tile[j][ii];
     }
   }
 }
@@ -280,6 +236,9 @@ float same(float v) { return v; }
 // 分块布局：一块（32 个输出）的输入按 4 个一份，一份 64 个字节：第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，
 // 高 4 位是第 j + 16 个输出（j < 16）。比例 [块, 组, 32] float16。输入维补到 32 的倍数（补的权重是 0，补的输入也是 0）。
 
+#ifndef Q4AHEAD
+#define Q4AHEAD 4096
+#endif
 constexpr int QIN = 32;  // int4：每个输出每这么多个输入一个比例，输入也按这么多个一组量化
 typedef int32_t ivec __attribute__((vector_size(WIDTH * 4)));  // WIDTH 个 int32，或 4·WIDTH 个字节
 typedef uint8_t bvec __attribute__((vector_size(WIDTH * 4)));
@@ -387,7 +346,7 @@ void q4_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* 
       }
       for (int n = 0; n < N; ++n) {
         const uint8_t* wn = w + n * stride + (c * QIN / 4 + p) * 2 * BLOCK;
-        __builtin_prefetch(wn + 2 * AHEAD * BLOCK);  // 与 bfloat16 提前同样多的字节（4 KB）
+        __builtin_prefetch(wn + Q4AHEAD);
         for (int k = 0; k < LANES; ++k) {
           const ivec wv = nibbles(wn, k);
           for (int g = 0; g < G; ++g) dot[n][g][k] = dot4(dot[n][g][k], wv, xs[g]);
@@ -406,9 +365,7 @@ void q4_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* 
   std::memcpy(out, acc, sizeof acc);
 }
 
-// 一组几行。每行要两套累加器（整数的与 float32 的）：AVX-512 上 8 行放不下 32 个寄存器，float32 的那套（每组只用一次）
-// 有几个留在 L1 里；换来的是验证 5 个 token、服务时 8 个请求都只读一遍权重
-constexpr int Q4ROWS = WIDTH == 16 ? 8 : 2;
+constexpr int Q4ROWS = WIDTH == 16 ? 4 : 2;  // 一组几行：每行要两套累加器（整数的与 float32 的）
 
 template <int N, size_t... G>
 std::array<void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const uint16_t*, float*), sizeof...(G)>
@@ -514,18 +471,6 @@ void to_blocks_bf16_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t r
 void to_blocks_f32_bf16(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
   to_blocks(src, n, n_in, row0, out, float_to_bf16);
 }
-void to_pairs_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
-  to_blocks(src, n, n_in, row0, out, [](uint16_t v) { return v; }, true);
-}
-void to_pairs_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
-  to_blocks(src, n, n_in, row0, out, float_to_bf16, true);
-}
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-// x [M, 2P] bfloat16（P 对）乘 Pair 布局的 w [B, P, 32, 2] → y [M, B·32] float32
-void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, float* y, int64_t B) {
-  matvec(reinterpret_cast<const float*>(x), M, P, reinterpret_cast<const Pair*>(w), nullptr, y, B);
-}
-#endif
 void quantize_int4_f32(const float* w, int64_t n, int64_t n_in, int64_t row0, uint8_t* q, uint16_t* scales) {
   quantize_int4(w, n, n_in, row0, q, scales, same);
 }
