@@ -76,6 +76,7 @@ class Engine:
         self.model = model
         self.mtp = mtp
         self.batcher = share_rows(model, mtp)
+        self.threads = torch.get_num_threads()  # 对齐之外读长提示词时用几个 OpenMP 线程（与 RowBatcher 的线程一样）
         self.piece = piece  # 提示词按这么多个 token 一段读（schedule.py）
         self.slots = slots
         self.cache = PrefixCache(cache_mb * 2**20)
@@ -115,6 +116,8 @@ class Engine:
             return True
 
     def run(self, request: Request):
+        if self.batcher is not None:  # 矩阵乘法都在 RowBatcher 的线程上：请求线程不开自己的一队 OpenMP 帮手线程（见 in_own_team）
+            torch.set_num_threads(1)
         try:
             if not self.admit(request):
                 request.finish_reason = "cancelled"
@@ -148,7 +151,7 @@ class Engine:
         if self.batcher is None:  # 没有分块布局：各请求各算各的
             return self.decode(request, self.prefill(request))
         if reads_apart(len(request.ids)):
-            resume = self.prefill(request, rest=True)  # 在对齐之外
+            resume = in_own_team(lambda: self.prefill(request, rest=True), self.threads)  # 在对齐之外
             with self.batcher.member():
                 return self.decode(request, resume)
         with self.batcher.member():
@@ -199,3 +202,27 @@ class Engine:
             request.out.put(t)
         stopped = request.tokens and request.tokens[-1] in request.stop
         request.finish_reason = "stop" if stopped else "length"
+
+
+def in_own_team(fn, threads: int):
+    """在一个只活这一次的线程里、用 threads 个 OpenMP 线程跑 fn() → 它的返回值（它抛的异常照样抛出）。
+
+    libgomp 里每个发起并行区的线程各有一队帮手线程，线程活着它们就在；它管着的线程一旦多于 CPU 核数，所有队的帮手
+    算完一件事都只空转一百来次就去睡，下一件再由系统叫醒——每个并行区多付两次唤醒。解码一步有一百多个并行区：
+    一个空闲的请求线程开过一队，库里的解码就从 28～31 降到 16～20 tok/s（docs/perf-history.md）。所以请求线程不开
+    自己的队（Engine.run 里设成一个线程）；长提示词要两个核一起读时在这个临时线程里读，读完线程结束，它的队也随之没了。"""
+    box = {}
+
+    def run():
+        torch.set_num_threads(threads)
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # 交回调用的线程抛出
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name="qwen-prefill")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
