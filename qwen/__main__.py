@@ -68,7 +68,7 @@ def layout_of(args) -> str:
 
 
 def chat_arguments(sub) -> None:
-    p = sub.add_parser("chat", parents=[model_options("矩阵存成 int8（分块布局上）：读的字节少一半，输出只差量化误差")],
+    p = sub.add_parser("chat", parents=[model_options("矩阵存成 int8 或 int4（分块布局上）：读的字节是 bfloat16 的一半或 28%，输出只差量化误差")],
                        help="与模型对话（默认的子命令：python -m qwen \"你好\"）")
     p.add_argument("prompt", nargs="?", help="一句话；省略时进入交互式多轮对话")
     p.add_argument("--system", default=None, help="系统提示词")
@@ -104,7 +104,7 @@ def answer(conversation, messages, args) -> str:
 
 
 def compile_arguments(sub) -> None:
-    p = sub.add_parser("compile", parents=[model_options("也编译 int8 的路径")],
+    p = sub.add_parser("compile", parents=[model_options("也编译 int8 或 int4 的路径")],
                        help="提前编译：C++ 的 matvec（默认路径要它），以及 --layout graphs 用的解码一步的图")
     p.set_defaults(run=prepare)
 
@@ -127,7 +127,7 @@ def prepare(args) -> None:
 
 
 def serve_options(sub) -> None:
-    p = sub.add_parser("serve", parents=[model_options("矩阵存成 int8（同 python -m qwen --quantize）")],
+    p = sub.add_parser("serve", parents=[model_options("矩阵存成 int8 或 int4（同 python -m qwen --quantize）")],
                        help="OpenAI 兼容的 HTTP 服务：连续批处理、MTP、留下的对话")
     p.add_argument("--host", default="127.0.0.1", help="监听的地址（默认只有本机能连）")
     p.add_argument("--port", type=number(int, 1, 65535), default=8000)

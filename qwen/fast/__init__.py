@@ -6,7 +6,7 @@
     model, mtp = qwen.fast.load(path)                 # 这台机器上最快的布局；有草稿头就一起读
 
 - load.py：加载与变换。layout 选矩阵的布局（plain 各章的模块、packed oneDNN 打包、blocked 分块布局与 C++ 的 matvec、
-  graphs 再把解码一步编译成图），quantize="int8" 选权重的格式；auto 是这台机器上最快的（编得出 C++ 就是 blocked）。
+  graphs 再把解码一步编译成图），quantize="int8" 或 "int4" 选权重的格式；auto 是这台机器上最快的（编得出 C++ 就是 blocked）。
 - linear.py：矩阵的两种布局（PackedLinear、BlockedLinear），读同一输入的几个投影拼成一个矩阵；kernel.py 编译
   matvec.cpp 等 C++ 内核一次，records.py 把编译失败与量出的代价记在磁盘上。
 - rows.py：输出头换了布局之后，与它共用的嵌入表留在检查点文件里，查表时按行读（FileEmbedding）。

@@ -73,6 +73,31 @@ inline float bf16_to_float(uint16_t h) {  // bfloat16 就是 float32 的高 16 �
   return f;
 }
 
+// float16（int4 的比例）。不用编译器的 _Float16：GCC 12 之前的 x86 上没有它
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0) {  // 0 与次正规数：man · 2^-24
+    const float f = std::ldexp(float(man), -24);
+    return sign ? -f : f;
+  }
+  uint32_t u = sign | (exp == 31 ? 0x7f800000 | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_half(float f) {  // 就近舍入到偶数；|f| ≤ 65504（调用的人保证），不处理 NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t sign = (u >> 16) & 0x8000;
+  const float a = std::fabs(f);
+  if (a < 6.103515625e-05f) return uint16_t(sign | uint16_t(std::nearbyint(a * 16777216.0f)));  // 次正规数：2^-24 的整数倍
+  const uint32_t m = u & 0x7fffff, rest = m & 0x1fff;
+  uint32_t h = ((((u >> 23) & 0xff) - 112) << 10) | (m >> 13);
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // 进位可以一直进到指数：仍是对的
+  return uint16_t(sign | h);
+}
+
 inline uint16_t float_to_bf16(float f) {  // 就近舍入到偶数（与 PyTorch 的 .bfloat16() 相同；不处理 NaN）
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -114,8 +139,10 @@ inline vec load(const int8_t* p) {  // int8（quantize="int8"）：比例在累�
 // G 行输入 x [G, in] 乘相邻的 N 块权重 w [N, in, 32] → out [N, G, 32]。一行只乘一两块时累加链太少：每个乘加要等上一个
 // 乘加（同一个累加器）的结果，几个时钟周期才出来；同时乘相邻的几块，链多了，乘加单元不必空等。每个输出仍是自己的
 // 累加器、沿输入维从头到尾乘加，同时乘几块、几行都不改变它的结果
+// ahead：预取提前几个权重。几行一起乘时计算更重，先要后面的权重让内存与乘加重叠；只有一两行时这台 Zen 4 上不预取反而
+// 更快（硬件自己的预取已经跟得上，多出来的预取指令只添乱；数字见 docs/performance.md），调用的人给 0：预取的是正要读的那一行
 template <typename W, int G, int N>
-void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
+void block_rows(const float* x, int64_t n_in, const W* w, int64_t ahead, float* out) {
   vec acc[N][G][LANES];
   for (int n = 0; n < N; ++n)
     for (int g = 0; g < G; ++g)
@@ -125,7 +152,7 @@ void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
     for (int g = 0; g < G; ++g) xs[g] = broadcast(x[g * n_in + i]);  // 第 g 行的 x[i] 广播成 WIDTH 份
     for (int n = 0; n < N; ++n) {
       const W* wn = w + n * n_in * BLOCK + i * BLOCK;
-      __builtin_prefetch(wn + AHEAD * BLOCK);  // 先要后面的权重：乘加的同时内存已在送下一段（越过块尾就是下一块）
+      __builtin_prefetch(wn + ahead);  // 先要后面的权重：乘加的同时内存已在送下一段（越过块尾就是下一块）
       for (int k = 0; k < LANES; ++k) {
         vec wv = load(wn + k * WIDTH);
         for (int g = 0; g < G; ++g) acc[n][g][k] = madd(acc[n][g][k], xs[g], wv);
@@ -137,7 +164,7 @@ void block_rows(const float* x, int64_t n_in, const W* w, float* out) {
 
 // 每个线程的一段连续的块里，一次乘几块、每块分几组乘几行
 template <typename W>
-using RowsFn = void (*)(const float*, int64_t, const W*, float*);
+using RowsFn = void (*)(const float*, int64_t, const W*, int64_t, float*);
 template <typename W, int N, size_t... G>
 std::array<RowsFn<W>, sizeof...(G)> make_table(std::index_sequence<G...>) {
   return {&block_rows<W, int(G) + 1, N>...};
@@ -156,7 +183,7 @@ void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scal
   float acc[N * (GROUP + 1) * BLOCK];
   for (int64_t m = 0, g = 0; m < M; m += g) {
     g = WIDTH == 8 && m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
-    rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, acc);
+    rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, M > 2 ? AHEAD * BLOCK : 0, acc);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r) {
         float* yr = y + (m + r) * B * BLOCK + (b + n) * BLOCK;
@@ -236,9 +263,6 @@ float same(float v) { return v; }
 // 分块布局：一块（32 个输出）的输入按 4 个一份，一份 64 个字节：第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，
 // 高 4 位是第 j + 16 个输出（j < 16）。比例 [块, 组, 32] float16。输入维补到 32 的倍数（补的权重是 0，补的输入也是 0）。
 
-#ifndef Q4AHEAD
-#define Q4AHEAD 4096
-#endif
 constexpr int QIN = 32;  // int4：每个输出每这么多个输入一个比例，输入也按这么多个一组量化
 typedef int32_t ivec __attribute__((vector_size(WIDTH * 4)));  // WIDTH 个 int32，或 4·WIDTH 个字节
 typedef uint8_t bvec __attribute__((vector_size(WIDTH * 4)));
@@ -286,11 +310,7 @@ inline vec load_half(const uint16_t* p) {  // WIDTH 个 float16 → float32（in
   return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 #else
   vec v;
-  for (int j = 0; j < WIDTH; ++j) {
-    _Float16 h;
-    std::memcpy(&h, p + j, sizeof h);
-    v[j] = float(h);
-  }
+  for (int j = 0; j < WIDTH; ++j) v[j] = half_to_float(p[j]);
   return v;
 #endif
 }
@@ -346,7 +366,7 @@ void q4_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* 
       }
       for (int n = 0; n < N; ++n) {
         const uint8_t* wn = w + n * stride + (c * QIN / 4 + p) * 2 * BLOCK;
-        __builtin_prefetch(wn + Q4AHEAD);
+        __builtin_prefetch(wn + 2 * AHEAD * BLOCK);  // 与 bfloat16 提前同样多的字节（4 KB）
         for (int k = 0; k < LANES; ++k) {
           const ivec wv = nibbles(wn, k);
           for (int g = 0; g < G; ++g) dot[n][g][k] = dot4(dot[n][g][k], wv, xs[g]);
@@ -423,9 +443,9 @@ void quantize_int4(const S* src, int64_t n, int64_t n_in, int64_t row0, uint8_t*
         float m = 0.0f;
         for (int64_t i = i0; i < i1; ++i)
           if (std::fabs(convert(row[i])) > std::fabs(m)) m = convert(row[i]);
-        const _Float16 h = _Float16(std::max(-65504.0f, std::min(65504.0f, m / -8.0f)));  // float16 的范围之内
-        const float sc = float(h);
-        std::memcpy(scales + (b * groups + c) * BLOCK + j, &h, sizeof h);
+        const uint16_t h = float_to_half(std::max(-65504.0f, std::min(65504.0f, m / -8.0f)));  // float16 的范围之内
+        const float sc = half_to_float(h);
+        scales[(b * groups + c) * BLOCK + j] = h;
         for (int64_t i = i0; i < i1; ++i) {
           const int v = sc == 0.0f ? 0 : int(std::min(7.0f, std::max(-8.0f, std::nearbyint(convert(row[i]) / sc))));
           uint8_t& byte = q[b * groups * QIN * (BLOCK / 2) + (i / 4) * 2 * BLOCK + (j % (BLOCK / 2)) * 4 + i % 4];
