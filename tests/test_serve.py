@@ -213,15 +213,15 @@ def test_concurrent_streams_equal_their_solo_answers(served):
     assert results == solo
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
-def test_shared_rows_equal_each_request_alone(lively, quantize):
-    """服务的共用行（RowBatcher + forward_many）在 bfloat16 与 int8 上也与每个请求单独运行时逐 token 相同：普通解码与
+@pytest.mark.parametrize("quantize, blocks", [(None, torch.bfloat16), ("int8", torch.int8), ("int4", torch.uint8)])
+def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
+    """服务的共用行（RowBatcher + forward_many）在 bfloat16、int8 与 int4 上也与每个请求单独运行时逐 token 相同：普通解码与
     投机解码（验证的 k+1 行与别人的行一起乘）都是。4 个线程先都进了对齐再开始，所以每一步都确定地拼在一起。"""
     from qwen.mtp import generate_mtp
     from qwen.serve.batcher import share_rows
 
     model = load_model(lively[0], dtype=torch.bfloat16, quantize=quantize)
-    assert model.layers[0].mlp.down_proj.blocks.dtype == (torch.int8 if quantize else torch.bfloat16)
+    assert model.layers[0].mlp.down_proj.blocks.dtype == blocks
     chat = Chat(model)
     mtp = load_draft(model)
     prompts = [chat.encode(chat.prompt([{"role": "user", "content": q}])) for q in QUESTIONS[:4]]
@@ -245,6 +245,19 @@ def test_shared_rows_equal_each_request_alone(lively, quantize):
             t.join()
         assert out == alone[name], name
         assert batcher.jobs - jobs >= batcher.calls - calls + 3  # 至少第一步是 4 个请求一起算的
+
+
+def test_a_long_prompt_is_read_in_its_own_short_lived_team():
+    """对齐之外读长提示词（engine.in_own_team）：在另一个线程里、用给定的 OpenMP 线程数跑，返回它的值、抛它的异常，
+    线程结束（它的一队帮手随之没了），调用的线程的设置不变——请求线程自己一直是一个线程，不开自己的一队。"""
+    from qwen.serve.engine import in_own_team
+
+    before = torch.get_num_threads()
+    seen = in_own_team(lambda: (torch.get_num_threads(), threading.current_thread().name, threading.get_ident()), 3)
+    assert seen[:2] == (3, "qwen-prefill") and seen[2] != threading.get_ident()
+    assert torch.get_num_threads() == before and not any(t.name == "qwen-prefill" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="读不下去"):
+        in_own_team(lambda: (_ for _ in ()).throw(ValueError("读不下去")), 2)
 
 
 def test_a_drafting_request_is_not_starved(served):
