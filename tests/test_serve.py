@@ -260,6 +260,27 @@ def test_a_long_prompt_is_read_in_its_own_short_lived_team():
         in_own_team(lambda: (_ for _ in ()).throw(ValueError("读不下去")), 2)
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="要两个以上的线程才看得出")
+def test_the_rows_thread_keeps_its_threads_when_requests_use_one():
+    """请求线程设成一个 OpenMP 线程（use_threads(1)）之后，RowBatcher 的线程算的时候仍用建它的线程的线程数：
+    torch.set_num_threads 另有一个全进程的数，线程第一次并行时照它初始化，曾把 RowBatcher 的线程也变成了一个线程。"""
+    from qwen.fast.linear import load_matvec
+    from qwen.serve.batcher import RowBatcher, Waiting, use_threads
+
+    batcher, seen = RowBatcher(load_matvec()), []
+
+    def request():
+        use_threads(1)
+        with batcher.member():
+            seen.append(batcher.wait(Waiting("key", lambda args: [torch.get_num_threads() for _ in args], None)))
+        seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    worker.join()
+    assert seen == [torch.get_num_threads(), 1]
+
+
 def test_a_drafting_request_is_not_starved(served):
     """对齐的顺序里草稿头的几件事排在主模型之前：否则只要别的请求还在逐个 token 地解码（总在主模型的某一层等着），
     起草的请求就一直轮不到。"""

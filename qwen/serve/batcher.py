@@ -29,6 +29,14 @@ from ..fast.step import FastModel
 from .schedule import everyone_waits, forward_order, next_jobs
 
 
+def use_threads(n: int) -> None:
+    """调用的线程此后用 n 个 OpenMP 线程，而且只改这个线程。torch.set_num_threads 同时记一个全进程的数：一个线程第一次
+    做并行的运算时照那个数设自己（PyTorch 的 at::init_num_threads），所以只 set 的话，别的线程后来 set 的数会在这个线程
+    第一次并行时盖掉它（请求线程设成 1 时，RowBatcher 的线程就这样成了一个线程）。先让这个线程做完那次初始化，再设。"""
+    torch.get_num_threads()  # 这个线程的初始化（只做一次）
+    torch.set_num_threads(n)
+
+
 class Waiting:
     """一个线程交上来、等着算的一件事：key 是哪个矩阵（它的 blocks）、哪一层或哪个模型的全部层，args 是输入；
     run 把同一个 key 的几件事的输入（列表）一次算完，返回各自的结果；结果放进 out。"""
@@ -108,7 +116,7 @@ class RowBatcher:
         return job.out
 
     def loop(self, threads: int):
-        torch.set_num_threads(threads)  # OpenMP 的线程数是每个线程各自的设定
+        use_threads(threads)  # OpenMP 的线程数是每个线程各自的设定
         while True:
             self.step()
 

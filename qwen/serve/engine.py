@@ -24,7 +24,7 @@ import torch
 from ..conversation import Resume
 from ..mtp import SpecResult
 from ..sample import Sampling
-from .batcher import share_rows
+from .batcher import share_rows, use_threads
 from .prefix import PrefixCache
 from .schedule import PROMPT_PIECE, draft_cost, last_piece, pieces, reads_apart
 
@@ -117,7 +117,7 @@ class Engine:
 
     def run(self, request: Request):
         if self.batcher is not None:  # 矩阵乘法都在 RowBatcher 的线程上：请求线程不开自己的一队 OpenMP 帮手线程（见 in_own_team）
-            torch.set_num_threads(1)
+            use_threads(1)
         try:
             if not self.admit(request):
                 request.finish_reason = "cancelled"
@@ -134,6 +134,8 @@ class Engine:
             if request.finish_reason == "cancelled" and self.closed and request.error is None:
                 request.error = Closed("服务正在关闭：这个请求没有生成完")
             request.out.put(None)
+            if self.batcher is not None:
+                torch.set_num_threads(self.threads)  # 全进程的那个数（见 use_threads）放回原样：这个线程马上就结束了
 
     def close(self):
         """不再接新的请求；排队的立刻结束，正在生成的在下一个 token 之前停下（它们的 error 是 Closed）。"""
@@ -214,7 +216,7 @@ def in_own_team(fn, threads: int):
     box = {}
 
     def run():
-        torch.set_num_threads(threads)
+        use_threads(threads)
         try:
             box["out"] = fn()
         except BaseException as e:  # 交回调用的线程抛出
