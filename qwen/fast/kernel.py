@@ -156,8 +156,7 @@ class Kernel:
     def quantize_int4(self, parts, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
         """几个 [out_i, in] 的矩阵（上下拼起来）→ 对称的 int4，每个输出每 32 个输入一个 float16 的比例：
         (q [⌈Σ out_i / 32⌉, 8·⌈in/32⌉, 64] uint8，scales [⌈Σ out_i / 32⌉, ⌈in/32⌉, 32] float16)，公式与布局见 linear.py 的
-        quantize_int4。
-        每次只读 rows 行：矩阵可以是还在文件里的 FileRows。"""
+        quantize_int4。每次只读 rows 行：矩阵可以是还在文件里的 FileRows。"""
         total, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
         B, groups = -(-total // BLOCK), -(-n_in // QGROUP)
         q = huge_pages(torch.empty(B, groups * QGROUP // 4, 2 * BLOCK, dtype=torch.uint8)).fill_(0x88)  # 补的行与输入：q = 0

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -194,22 +195,33 @@ void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scal
   }
 }
 
-// x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 的比例）。
-// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那一段。
-template <typename W>
-void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
-  // 一组的累加向量至多 ACC 个（其余寄存器放广播的输入与权重）：行少时一次乘相邻的 2 或 4 块
-  constexpr int ACC = WIDTH == 16 ? 16 : 8;
-  const int64_t fit = ACC / (LANES * std::min<int64_t>(M, GROUP)), N = fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+// 一次乘相邻的几块（1、2 或 4）：一组 rows 行、每行 LANES 个累加向量，一共至多 acc 个（其余寄存器放广播的输入与权重），
+// 行少时就多乘几块
+inline int64_t adjacent_blocks(int acc, int64_t rows) {
+  const int64_t fit = acc / (LANES * rows);
+  return fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+}
+
+// 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那一段：每 N 块一份，tile(n, b) 乘第 b 起的 n 块
+// （n 是编译期的常数 1、2 或 4；不够 N 块的尾巴一块一块地乘）。work 很小的矩阵不值得叫醒别的线程
+template <typename F>
+void for_tiles(int64_t B, int64_t N, int64_t work, F tile) {
   const int64_t tiles = (B + N - 1) / N;
-#pragma omp parallel for schedule(static) if (B * n_in >= 32768)  // 很小的矩阵不值得叫醒别的线程
+#pragma omp parallel for schedule(static) if (work >= 32768)
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t b = t * N;
-    if (N == 4 && b + 4 <= B) tile<W, 4>(x, M, n_in, w, scales, y, B, b);
-    else if (N == 2 && b + 2 <= B) tile<W, 2>(x, M, n_in, w, scales, y, B, b);
+    if (N == 4 && b + 4 <= B) tile(std::integral_constant<int, 4>{}, b);
+    else if (N == 2 && b + 2 <= B) tile(std::integral_constant<int, 2>{}, b);
     else
-      for (int64_t c = b; c < std::min(B, b + N); ++c) tile<W, 1>(x, M, n_in, w, scales, y, B, c);
+      for (int64_t c = b; c < std::min(B, b + N); ++c) tile(std::integral_constant<int, 1>{}, c);
   }
+}
+
+// x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 的比例）
+template <typename W>
+void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
+  const int64_t N = adjacent_blocks(WIDTH == 16 ? 16 : 8, std::min<int64_t>(M, GROUP));
+  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { tile<W, decltype(n)::value>(x, M, n_in, w, scales, y, B, b); });
 }
 
 // 加载时换布局：矩阵 src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进分块布局 out [B, in, 32] 里对应的位置，
@@ -413,17 +425,9 @@ void q4_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* w
 void matvec_int4(const float* x, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, float* y, int64_t B) {
   const int64_t groups = (n_in + QIN - 1) / QIN;
   const QuantizedRows xq = quantize_rows(x, M, n_in, groups);
-  constexpr int ACC = WIDTH == 16 ? 8 : 4;  // 一组的 float32 累加向量至多几个（整数的另有同样多）
-  const int64_t fit = ACC / (LANES * std::min<int64_t>(M, Q4ROWS)), N = fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
-  const int64_t tiles = (B + N - 1) / N;
-#pragma omp parallel for schedule(static) if (B * n_in >= 32768)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t b = t * N;
-    if (N == 4 && b + 4 <= B) q4_tile<4>(xq, M, groups, w, s, y, B, b);
-    else if (N == 2 && b + 2 <= B) q4_tile<2>(xq, M, groups, w, s, y, B, b);
-    else
-      for (int64_t c = b; c < std::min(B, b + N); ++c) q4_tile<1>(xq, M, groups, w, s, y, B, c);
-  }
+  // float32 的累加向量只算一半的寄存器：整数的另有同样多
+  const int64_t N = adjacent_blocks(WIDTH == 16 ? 8 : 4, std::min<int64_t>(M, Q4ROWS));
+  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { q4_tile<decltype(n)::value>(xq, M, groups, w, s, y, B, b); });
 }
 
 // 对称的 int4，每个输出每 32 个输入一组（像 llama.cpp 的 Q4_0）：m 是这一组里绝对值最大的那个权重（带符号），
