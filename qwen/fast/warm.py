@@ -13,6 +13,9 @@ from .layers import DECODE_LENGTHS
 from .load import describe
 from .records import read_record, write_record
 
+# 量出的代价的下限：起草一个 token 至少要草稿头的一层与多验证一行（0.8B 上量得 0.15～0.6 步）；比这还低只能是量错了
+MIN_DRAFT_COST = 0.05
+
 
 @torch.inference_mode()
 def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
@@ -39,7 +42,7 @@ def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
             mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
         mtp.draft_logits(model, hidden[:, :1])
     if mtp is not None and calibrate:
-        key = (f"{model.cfg} · {model.dtype} · {describe(model)} · 草稿词表 {getattr(mtp, 'draft_note', '全词表')} · "
+        key = (f"量法 2 · {model.cfg} · {model.dtype} · {describe(model)} · 草稿词表 {getattr(mtp, 'draft_note', '全词表')} · "
                f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
         cost = read_record("draft_cost.json", key)
         if not isinstance(cost, float) and calibrate != "recorded":  # 没量过这种设置：量一次，记下来（之后的运行用同一个值，带种子的采样才可复现）
@@ -51,9 +54,10 @@ def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
 
 def measure_draft_cost(model, mtp, ids, rounds: int = 3) -> float:
     """这台机器上每多起草一个 token，一轮投机解码多花几步普通解码（第 14 章 best_draft_count 的 cost）。
-    量的是真实的循环：普通解码每产出一个 token 的间隔 t₀；固定起草 k = 1…4 个时每一轮（起草、验证、提交）的间隔 t，
-    记下这一轮真的起草了几个（预算快用完时会少）。按 t / t₀ = 1 + cost·k 做最小二乘。头两次产出不算：
-    一次是预填充，一次是草稿头第一次读提示词（不走编译的图）。"""
+    量的是真实的循环：固定起草 k = 1…4 个时每一轮（起草、验证、提交）的间隔 t，紧挨着它再量普通解码每个 token 的间隔 t₀，
+    一对一对地比：t / t₀ − 1（这一轮真的起草了几个记下来，预算快用完时会少）。内存带宽在一分钟里能差一倍，分开量的 t₀
+    与 t 不能比（量出过 ≤ 0.01：起草几乎不要钱，服务时就一直起草）。每个起草数取这几对的中位数，
+    按 t / t₀ = 1 + cost·k 做最小二乘。头两次产出不算：一次是预填充，一次是草稿头第一次读提示词。"""
     def gaps(generator):
         times, t = [], None
         for _ in generator:
@@ -62,16 +66,16 @@ def measure_draft_cost(model, mtp, ids, rounds: int = 3) -> float:
             t = now
         return times[2:]  # 第 0 个是预填充结束，第 1 个间隔含草稿头读提示词
 
-    plain = sorted(gaps(stream(model, ids, rounds + 3)))
-    t0 = plain[len(plain) // 2]  # 中位数：机器上别的进程插进来的那几步不算
-    xs, ys = [], []
-    for k in range(1, MAX_DRAFTS + 1):
-        r = SpecResult()
-        times = gaps(stream_mtp(model, mtp, ids, 2 + rounds * (k + 1), draft_tokens=k, result=r))
-        by_count = {}  # 每个起草数一个中位数：与 t₀ 一样，机器上别的进程插进来的那一轮不算
-        for (drafted, _, _), t in zip(r.trace[1:], times):
-            by_count.setdefault(drafted, []).append(t / t0 - 1)
-        for drafted, y in by_count.items():
-            xs.append(drafted)
-            ys.append(sorted(y)[len(y) // 2])
-    return max(sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1), 0.01)
+    def median(values):
+        return sorted(values)[len(values) // 2]
+
+    by_count = {}  # 起草数 → 各对的 t / t₀ − 1
+    for _ in range(rounds):
+        for k in range(1, MAX_DRAFTS + 1):
+            r = SpecResult()
+            times = gaps(stream_mtp(model, mtp, ids, 2 + 3 * (k + 1), draft_tokens=k, result=r))
+            t0 = median(gaps(stream(model, ids, 6)))  # 紧挨着量的普通解码
+            for (drafted, _, _), t in zip(r.trace[1:], times):
+                by_count.setdefault(drafted, []).append(t / t0 - 1)
+    xs, ys = list(by_count), [median(y) for y in by_count.values()]
+    return max(sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1), MIN_DRAFT_COST)
