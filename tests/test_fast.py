@@ -351,6 +351,25 @@ def test_matvec_rows_do_not_depend_on_how_many_are_computed_together():
             assert torch.equal(kernel.matvec(x[:rows], blocks, s), alone[:rows]), (blocks.dtype, rows)
 
 
+def test_bfloat16_pairs_keep_each_row_its_own():
+    """有 AVX-512 BF16 的 CPU 上，bfloat16 的模型的矩阵两个输入一对存放，一条 vdpbf16ps 乘加一对（matvec.cpp 的 Pair）：
+    每一行仍与单独乘它时逐位相同（1～17 行，8 行一组）；与定义（float32 的矩阵乘法）只差在求和与输出的舍入之内；
+    奇数个输入时补的那一个不改结果，拼回普通布局（dense，长的预填充用）是原来的矩阵。"""
+    kernel = load_matvec()
+    if kernel.pairs is None:
+        pytest.skip("这台 CPU 没有 AVX-512 BF16：bfloat16 的矩阵照常按一个输入一行存放")
+    for n_in in (112, 113):
+        w = torch.randn(300, n_in, generator=torch.Generator().manual_seed(n_in)).bfloat16()
+        x = torch.randn(17, n_in, generator=torch.Generator().manual_seed(n_in + 1)).bfloat16()
+        linear = BlockedLinear(w, kernel)
+        assert linear.blocks.shape == (10, (n_in + 1) // 2, 32, 2)
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(17)])
+        for rows in (2, 3, 4, 5, 7, 8, 9, 13, 17):
+            assert torch.equal(linear(x[:rows]), alone[:rows]), (n_in, rows)
+        assert torch.allclose(alone.float(), x.float() @ w.float().t(), rtol=1e-2, atol=0.05)
+        assert torch.equal(linear.dense(), w)
+
+
 def weight_kinds(kernel, w):
     """w 的四种分块：float32、bfloat16、int8（带比例）、int4（带每 32 个输入的比例）→ [(blocks, scales)]。"""
     int8, int4 = BlockedLinear(w, kernel, quantize="int8"), BlockedLinear(w, kernel, quantize="int4")

@@ -89,6 +89,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     **{f"to_blocks_{s}_{d}": [PTR, I64, I64, I64, PTR] for s in ("f32", "bf16") for d in ("f32", "bf16")},
     **{f"quantize_int8_{t}": [PTR, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
     **{f"quantize_int4_{t}": [PTR, I64, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
+    **{f"to_pairs_{t}": [PTR, I64, I64, I64, PTR] for t in ("f32", "bf16")},
     "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
     "deltanet_step": [PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, I64, I64, I64, I64, I64, I64],
 }
@@ -102,6 +103,10 @@ class Kernel:
         for name, args in ENTRIES.items():
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = None
+        # 有 AVX-512 BF16 的 CPU 上才编进去：bfloat16 的模型的矩阵按两个输入一对存放，一条 vdpbf16ps 乘加一对（matvec.cpp）
+        self.pairs = getattr(lib, "matvec_pairs", None)
+        if self.pairs is not None:
+            self.pairs.argtypes, self.pairs.restype = [PTR, I64, I64, PTR, PTR, I64], None
         self.matvecs = {dtype: getattr(lib, f"matvec_{name}") for dtype, name in NAMES.items()}  # 按权重的 dtype
         self.matvecs[torch.uint8] = lib.matvec_q4  # int4：一个字节两个权重
         lib.matvec_width.restype = lib.matvec_fma.restype = lib.matvec_vnni.restype = ctypes.c_int
@@ -110,18 +115,29 @@ class Kernel:
 
     @property
     def isa(self) -> str:
-        """编进内核的向量指令：AVX-512 VNNI、AVX-512、AVX2 VNNI、AVX2（8 宽、FMA）或 portable。"""
+        """编进内核的向量指令：AVX-512（带 VNNI、BF16 时写上）、AVX2 VNNI、AVX2（8 宽、FMA）或 portable。"""
         name = "AVX-512" if self.width == 16 else "AVX2" if self.fma else "portable"
-        return f"{name} VNNI" if self.vnni else name
+        return name + (" VNNI" if self.vnni else "") + (" BF16" if self.pairs is not None else "")
 
     def matvec(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]；int4 的 blocks 是 uint8、每个字节
         两个权重，scales [B, ⌈in/32⌉, 32] float16，见 linear.py 的 quantize_int4）→ [M, B·32]，dtype 同 x。"""
+        if blocks.dim() == 4:  # 一对一对的 bfloat16（to_blocks 的 pairs）：输入也是 bfloat16，两个一对
+            return self.matvec_pairs(x, blocks)
         xf = x.float().contiguous()
         y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
         self.matvecs[blocks.dtype](xf.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(),
                                    None if scales is None else scales.data_ptr(), y.data_ptr(), blocks.shape[0])
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def matvec_pairs(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """x [M, in] bfloat16 乘一对一对存放的 blocks [B, ⌈in/2⌉, 32, 2] → [M, B·32] bfloat16（vdpbf16ps）。"""
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"一对一对存放的 bfloat16 矩阵只乘 bfloat16 的输入（bfloat16 的模型），收到 {x.dtype}")
+        xb = x.contiguous() if x.shape[1] % 2 == 0 else torch.nn.functional.pad(x, (0, 1))  # 奇数个输入：补一个 0
+        y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
+        self.pairs(xb.data_ptr(), x.shape[0], blocks.shape[1], blocks.data_ptr(), y.data_ptr(), blocks.shape[0])
+        return y.to(torch.bfloat16)
 
     def deltanet_step(self, proj, conv, consts, eps: float, S, dims) -> tuple[torch.Tensor, torch.Tensor]:
         """DeltaNet 层的一个位置（deltanet.cpp）：proj [B, P] float32（in_proj 的输出），conv [B, K−1, C] 窗口，
@@ -140,16 +156,21 @@ class Kernel:
         self.lib.rms_norm(xf.data_ptr(), xf.numel() // xf.shape[-1], xf.shape[-1], scale.data_ptr(), eps, y.data_ptr())
         return y
 
-    def to_blocks(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """几个 [out_i, in] 的矩阵上下拼起来 → 分块布局 [⌈Σ out_i / 32⌉, in, 32]，dtype（float32 或 bfloat16），补零行。"""
+    def to_blocks(self, parts: list[torch.Tensor], dtype: torch.dtype, pairs: bool = False) -> torch.Tensor:
+        """几个 [out_i, in] 的矩阵上下拼起来 → 分块布局 [⌈Σ out_i / 32⌉, in, 32]，dtype（float32 或 bfloat16），补零行。
+        pairs：bfloat16 两个输入一对 [⌈Σ out_i / 32⌉, ⌈in/2⌉, 32, 2]（matvec_pairs 用；奇数个输入时补一个 0）。"""
         rows, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
-        out = huge_pages(torch.empty(-(-rows // BLOCK), n_in, BLOCK, dtype=dtype))
+        B = -(-rows // BLOCK)
+        shape = (B, -(-n_in // 2), BLOCK, 2) if pairs else (B, n_in, BLOCK)
+        out = huge_pages(torch.empty(shape, dtype=torch.bfloat16 if pairs else dtype))
         out[-1, :, rows % BLOCK or BLOCK :] = 0  # 最后一块补的零行
+        if pairs and n_in % 2:
+            out[:, -1, :, 1] = 0
         row0 = 0
         for p in parts:
             src = readable(p)
-            getattr(self.lib, f"to_blocks_{NAMES[src.dtype]}_{NAMES[dtype]}")(src.data_ptr(), p.shape[0], n_in, row0,
-                                                                               out.data_ptr())
+            name = f"to_pairs_{NAMES[src.dtype]}" if pairs else f"to_blocks_{NAMES[src.dtype]}_{NAMES[dtype]}"
+            getattr(self.lib, name)(src.data_ptr(), p.shape[0], n_in, row0, out.data_ptr())
             row0 += p.shape[0]
         return out
 
@@ -222,7 +243,7 @@ def fake_matvec(x, blocks, scales):
 
 
 # 测试用：在这台机器上把内核编成更窄的向量（-march=native 给的是最宽的那种）。FMA 的几种宽度逐位相同
-NARROWER = {"AVX-512": ["-mno-avx512vnni"], "AVX2": ["-mno-avx512f", "-mno-avxvnni"],
+NARROWER = {"AVX-512": ["-mno-avx512vnni", "-mno-avx512bf16"], "AVX2": ["-mno-avx512f", "-mno-avxvnni"],
             "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avxvnni"]}
 
 

@@ -65,10 +65,18 @@ def to_blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(-1, BLOCK, n_in).transpose(1, 2).contiguous()
 
 
-def from_blocks(blocks: torch.Tensor, out: int) -> torch.Tensor:
+def from_blocks(blocks: torch.Tensor, out: int, n_in: int | None = None) -> torch.Tensor:
     """to_blocks 的逆，复制一份：[⌈out/32⌉, in, 32] → [out, in]。复制成转置的 [in, out]（每块的 32 个数原样搬过去，
-    比逐个转置快），返回它的转置视图：F.linear 收到的就是 [in, out] 按行存放的普通矩阵乘法。"""
+    比逐个转置快），返回它的转置视图：F.linear 收到的就是 [in, out] 按行存放的普通矩阵乘法。
+    两个输入一对的 [B, ⌈in/2⌉, 32, 2]（Kernel.to_blocks 的 pairs）先摊开，去掉补的那个输入（n_in）。"""
+    if blocks.dim() == 4:
+        blocks = unpair(blocks, n_in)
     return blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)[:, :out].t()
+
+
+def unpair(blocks: torch.Tensor, n_in: int) -> torch.Tensor:
+    """[B, ⌈in/2⌉, 32, 2] → [B, in, 32]：一对里前一个是第 2p 个输入、后一个是第 2p+1 个。"""
+    return blocks.transpose(2, 3).reshape(blocks.shape[0], -1, BLOCK)[:, :n_in]
 
 
 def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,6 +85,8 @@ def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | 
     对照；真正用的是 matvec.cpp 里同一个公式的 C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
     if blocks.dtype == torch.uint8:
         return int4_reference(x, blocks, scales)
+    if blocks.dim() == 4:
+        blocks = unpair(blocks, x.shape[1])
     y = torch.einsum("mi,bij->mbj", x.float(), blocks.float())  # [M, B, 32]
     y = y if scales is None else y * scales
     return y.flatten(1).to(x.dtype)
@@ -201,8 +211,10 @@ class BlockedLinear(nn.Module):
             self.blocks, self.scales = to_blocks(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
         else:  # [B, in, 32]。float32 的模型、bfloat16 的检查点：块仍存 bfloat16（转成 float32 是精确的，内核读时才转），
             # 结果与存 float32 逐位相同，读的字节少一半
+            # bfloat16 的模型、CPU 有 AVX-512 BF16：两个输入一对存放，vdpbf16ps 乘（输入本来就是 bfloat16）
             exact = self.dtype == torch.float32 and all(p.dtype == torch.bfloat16 for p in parts)
-            self.blocks = kernel.to_blocks([p.detach() for p in parts], torch.bfloat16 if exact else self.dtype)
+            pairs = self.dtype == torch.bfloat16 and kernel.pairs is not None
+            self.blocks = kernel.to_blocks([p.detach() for p in parts], torch.bfloat16 if exact else self.dtype, pairs)
             self.scales = None
         self.kernel, self.bias = kernel, bias
         # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear。两种情形总用 C++ 的（见 docs/performance.md）：CPU 没有 bfloat16
@@ -215,7 +227,7 @@ class BlockedLinear(nn.Module):
         """拼回普通布局 [out, in]（int8 的乘回比例，int4 的反量化），长的预填充交给 F.linear。"""
         if self.blocks.dtype == torch.uint8:
             return from_blocks(dequantize_int4(self.blocks, self.scales, self.in_features), self.out_features).to(self.dtype)
-        w = from_blocks(self.blocks, self.out_features)
+        w = from_blocks(self.blocks, self.out_features, self.in_features)
         return w.to(self.dtype) if self.scales is None else (w * self.scales.flatten()[: self.out_features, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,40 @@ inline vec load(const int8_t* p) {  // int8（quantize="int8"）：比例在累�
 #endif
 }
 
+// bfloat16 的模型（输入本来就是 bfloat16 的值）在有 AVX-512 BF16 的 CPU 上：一条 vdpbf16ps 把相邻两个输入的两个积
+// 加进一个 float32（Intel 的定义：先加第 2i+1 个的积、舍入，再加第 2i 个的、舍入；bfloat16 的积在 float32 里是精确的；
+// 次正规数当 0），一条指令 32 次乘加，不必先把权重转成 float32。权重按两个输入一对存放：Pair 是一块里一个输出的
+// (w[2i], w[2i+1])，一块 [in/2, 32] 对；输入也两个一对（x 里存的是一对 bfloat16 的位，不是 float32）。
+// 每个输出仍是自己的累加器、沿输入维一对一对从头到尾：与一次算几行无关。没有这条指令的 CPU 用不到它（kernel.py 不建
+// 这种布局），下面的标量写法只是把定义写出来
+struct Pair {
+  uint32_t two;
+};
+inline vec load(const Pair* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vec broadcast_bits(const float* p) {  // 一对 bfloat16 的 32 位原样广播（不当作 float32 运算）
+  uint32_t u;
+  std::memcpy(&u, p, sizeof u);
+  typedef uint32_t vu __attribute__((vector_size(WIDTH * 4)));
+  return (vec)(vu{} + u);
+}
+inline vec dot_pairs(vec acc, vec x, vec w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return (vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)w, (__m512bh)x);
+#else
+  typedef uint32_t vu __attribute__((vector_size(WIDTH * 4)));
+  vu xu = (vu)x, wu = (vu)w;
+  for (int j = 0; j < WIDTH; ++j) {
+    acc[j] += bf16_to_float(xu[j] >> 16) * bf16_to_float(wu[j] >> 16);
+    acc[j] += bf16_to_float(xu[j] & 0xffff) * bf16_to_float(wu[j] & 0xffff);
+  }
+  return acc;
+#endif
+}
+
 // G 行输入 x [G, in] 乘相邻的 N 块权重 w [N, in, 32] → out [N, G, 32]。一行只乘一两块时累加链太少：每个乘加要等上一个
 // 乘加（同一个累加器）的结果，几个时钟周期才出来；同时乘相邻的几块，链多了，乘加单元不必空等。每个输出仍是自己的
 // 累加器、沿输入维从头到尾乘加，同时乘几块、几行都不改变它的结果
@@ -150,13 +184,19 @@ void block_rows(const float* x, int64_t n_in, const W* w, int64_t ahead, float* 
       for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
   for (int64_t i = 0; i < n_in; ++i) {
     vec xs[G];
-    for (int g = 0; g < G; ++g) xs[g] = broadcast(x[g * n_in + i]);  // 第 g 行的 x[i] 广播成 WIDTH 份
+    for (int g = 0; g < G; ++g) {  // 第 g 行的 x[i] 广播成 WIDTH 份
+      if constexpr (std::is_same_v<W, Pair>) xs[g] = broadcast_bits(x + g * n_in + i);
+      else xs[g] = broadcast(x[g * n_in + i]);
+    }
     for (int n = 0; n < N; ++n) {
       const W* wn = w + n * n_in * BLOCK + i * BLOCK;
       __builtin_prefetch(wn + ahead);  // 先要后面的权重：乘加的同时内存已在送下一段（越过块尾就是下一块）
       for (int k = 0; k < LANES; ++k) {
         vec wv = load(wn + k * WIDTH);
-        for (int g = 0; g < G; ++g) acc[n][g][k] = madd(acc[n][g][k], xs[g], wv);
+        for (int g = 0; g < G; ++g) {
+          if constexpr (std::is_same_v<W, Pair>) acc[n][g][k] = dot_pairs(acc[n][g][k], xs[g], wv);
+          else acc[n][g][k] = madd(acc[n][g][k], xs[g], wv);
+        }
       }
     }
   }
@@ -176,6 +216,15 @@ RowsFn<W> rows_of(int64_t g) {  // block_rows<W, g, N>
   return table[g - 1];
 }
 
+// 软件预取提前多少（W 的个数）。行少时每个输入算得快，硬件的预取跟得上，软件预取反而占了读内存的位置；行多时每个输入
+// 算得久，软件预取让内存在乘加的同时送下一段（分界在这台机器上量出，见 docs/performance.md）。一对一对的 bfloat16 一条指令
+// 乘加两个输入，同样的行数算得快一倍，分界也翻倍；它每个输入（一对）128 字节，提前的输入减半：字节数与 bfloat16 一样
+template <typename W>
+constexpr int64_t ahead(int64_t M) {
+  if constexpr (std::is_same_v<W, Pair>) return M > 4 ? AHEAD / 2 * BLOCK : 0;
+  else return M > 2 ? AHEAD * BLOCK : 0;
+}
+
 // 乘 w 的第 b…b+N−1 块（N 块相邻）：行多于 GROUP 时每块分几组乘，后几组读的是刚读过、还在缓存里的那几块。AVX2 上行数
 // 除以 GROUP 余 1 时（4、7、10……行）第一组乘 4 行：不然最后一组只有 1 行，为它把权重再转一遍 float32。4 行的 16 个
 // 累加向量放不下寄存器，编译器把几个留在 L1 里，乘加慢一些；放在第一组，正好与从内存读这一块的时间重叠
@@ -184,7 +233,7 @@ void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scal
   float acc[N * (GROUP + 1) * BLOCK];
   for (int64_t m = 0, g = 0; m < M; m += g) {
     g = WIDTH == 8 && m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
-    rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, M > 2 ? AHEAD * BLOCK : 0, acc);
+    rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, ahead<W>(M), acc);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r) {
         float* yr = y + (m + r) * B * BLOCK + (b + n) * BLOCK;
@@ -226,13 +275,14 @@ void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* sc
 
 // 加载时换布局：矩阵 src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进分块布局 out [B, in, 32] 里对应的位置，
 // 顺便从 S 转成 D。一次读、一次写：不必先转 dtype、再拼接、再转置，各复制一遍
+// pairs：bfloat16 按两个输入一对存放（Pair 的布局，[B, ⌈in/2⌉, 32, 2]；输入维是奇数时最后一对的后一个由调用的人补 0）
 template <typename S, typename D, typename F>
-void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F convert) {
+void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F convert, bool pairs = false) {
   int64_t b0 = row0 / BLOCK, b1 = (row0 + n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
   for (int64_t b = b0; b < b1; ++b) {
     int64_t j0 = std::max<int64_t>(row0, b * BLOCK) - b * BLOCK, j1 = std::min<int64_t>(row0 + n, (b + 1) * BLOCK) - b * BLOCK;
-    D* ob = out + b * n_in * BLOCK;
+    D* ob = out + b * (pairs ? (n_in + 1) / 2 * 2 : n_in) * BLOCK;
     D tile[BLOCK][16];  // 32 行 × 16 个输入：先按行连续地读进来（转好 dtype），再按列写出去，都在 L1 里
     for (int64_t i0 = 0; i0 < n_in; i0 += 16) {
       int64_t w = std::min<int64_t>(16, n_in - i0);
@@ -241,7 +291,10 @@ void to_blocks(const S* src, int64_t n, int64_t n_in, int64_t row0, D* out, F co
         for (int64_t ii = 0; ii < w; ++ii) tile[j][ii] = convert(row[ii]);
       }
       for (int64_t ii = 0; ii < w; ++ii)
-        for (int64_t j = j0; j < j1; ++j) ob[(i0 + ii) * BLOCK + j] = tile[j][ii];
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t i = i0 + ii;
+          ob[pairs ? ((i / 2) * BLOCK + j) * 2 + i % 2 : i * BLOCK + j] = tile[j][ii];
+        }
     }
   }
 }
@@ -497,6 +550,18 @@ void to_blocks_bf16_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t r
 void to_blocks_f32_bf16(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
   to_blocks(src, n, n_in, row0, out, float_to_bf16);
 }
+void to_pairs_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
+  to_blocks(src, n, n_in, row0, out, [](uint16_t v) { return v; }, true);
+}
+void to_pairs_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
+  to_blocks(src, n, n_in, row0, out, float_to_bf16, true);
+}
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// x [M, 2P] bfloat16（P 对）乘 Pair 布局的 w [B, P, 32, 2] → y [M, B·32] float32
+void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, float* y, int64_t B) {
+  matvec(reinterpret_cast<const float*>(x), M, P, reinterpret_cast<const Pair*>(w), nullptr, y, B);
+}
+#endif
 void quantize_int4_f32(const float* w, int64_t n, int64_t n_in, int64_t row0, uint8_t* q, uint16_t* scales) {
   quantize_int4(w, n, n_in, row0, q, scales, same);
 }
