@@ -5,9 +5,11 @@
 // （附录 qwen/serve），这些开销一个接一个地排队。这里一次做完，调用时放开 GIL；记忆 S 只读一遍、写一遍：
 //     [Sᵀk, Sᵀq] = 旧 S 一次乘两个向量          （与 layers.py 的 recurrent_in_place 同一个重排）
 //     δ = β(v − e^g Sᵀk)，  o = e^g Sᵀq + (qᵀk) δ，  S ← e^g S + k ⊗ δ
-// 一次只算一个位置，验证几个草稿时逐个位置地调用：每个位置做的运算与单独解码它时完全一样，结果逐位相同（第 14 章）。
+// 验证几个草稿、读短的提示词时一次给几个相继的位置，逐个位置地走：每个位置做的运算与单独解码它时完全一样，结果逐位相同
+// （第 14 章）；每个头的记忆在缓存里走完这几步。
 // 与 matvec.cpp 一样，-ffp-contract=off：乘加不被编译器悄悄合并，每个位置、每一行都是同一串运算。
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,71 +33,78 @@ void l2norm(float* x, int64_t D, float scale) {
 
 extern "C" {
 
-// B 行、各一个位置。proj [B, ld]：in_proj 的输出（依次是 qkv [C]、z [Hv·Dv]、b [Hv]、a [Hv]），float32。
-// conv [B, K−1, C]：最近 K−1 个 qkv 输入（读）；conv_out 同形状：加上这个位置之后的窗口（写）。conv_w [K, C]。
-// neg_A [Hv] = −exp(A_log)；dt_bias [Hv]；norm_w [Dv]：门控 RMSNorm 的权重。S [B, Hv, Dk, Dv]：就地更新。
-// out [B, Hv·Dv]：门控 RMSNorm 之后、out_proj 之前的输出。
-void deltanet_step(const float* proj, int64_t ld, const float* conv, float* conv_out, const float* conv_w,
-                   const float* neg_A, const float* dt_bias, const float* norm_w, float eps, float* S, float* out,
-                   int64_t B, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {
-  const int64_t key = Hk * Dk, C = 2 * key + Hv * Dv;
-  std::vector<float> y(B * C);  // 卷积 + SiLU 之后的 q、k、v
-#pragma omp parallel for schedule(static) if (B * C >= 4096)  // 几千个 exp：分给各个线程
-  for (int64_t bc = 0; bc < B * C; ++bc) {  // 因果深度卷积：y = Σ_j w_j · x_{t−K+1+j}，最后一项是这个位置的输入
-    const int64_t b = bc / C, c = bc % C;
-    const float* win = conv + b * (K - 1) * C;
-    float acc = win[c] * conv_w[c];
-    for (int64_t j = 1; j < K - 1; ++j) acc += win[j * C + c] * conv_w[j * C + c];
-    acc += proj[b * ld + c] * conv_w[(K - 1) * C + c];
+// B 行、各 T 个相继的位置（解码 T = 1；验证草稿、短的提示词 T > 1）。proj：第 b 行第 t 个位置在 proj + b·sb + t·ld，
+// 是 in_proj 的输出（依次是 qkv [C]、z [Hv·Dv]、b [Hv]、a [Hv]），float32。conv [B, K−1, C]：最近 K−1 个 qkv 输入（读）；
+// conv_out 同形状：T 个位置之后的窗口（写）。conv_w [K, C]。neg_A [Hv] = −exp(A_log)；dt_bias [Hv]；norm_w [Dv]：门控
+// RMSNorm 的权重。S [B, Hv, Dk, Dv]：就地更新成最后一个位置之后的记忆。history：空，或 T−1 个 [B, Hv, Dk, Dv] 的缓冲区，
+// 第 t 个写第 t 个位置之后的记忆（投机解码回滚时取用）。out [B, T, Hv·Dv]：门控 RMSNorm 之后、out_proj 之前的输出。
+// 每个位置做的运算与一次只给一个位置时完全一样（同样的求和顺序），所以结果与逐个位置地调用逐位相同；一次给 T 个，
+// 每个头的记忆（64 KB）在缓存里走完 T 步，不必每个位置从内存读一遍、写一遍（记历史时也只多写那几份）。
+void deltanet_step(const float* proj, int64_t sb, int64_t ld, int64_t T, const float* conv, float* conv_out,
+                   const float* conv_w, const float* neg_A, const float* dt_bias, const float* norm_w, float eps, float* S,
+                   float* const* history, float* out, int64_t B, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {
+  const int64_t key = Hk * Dk, C = 2 * key + Hv * Dv, BT = B * T;
+  // 第 b 行的第 j 个输入（j < 0 是窗口里的旧输入）
+  auto input = [&](int64_t b, int64_t j) { return j < 0 ? conv + (b * (K - 1) + (K - 1 + j)) * C : proj + b * sb + j * ld; };
+  std::vector<float> y(BT * C);  // 每个位置卷积 + SiLU 之后的 q、k、v
+#pragma omp parallel for schedule(static) if (BT * C >= 4096)  // 几千个 exp：分给各个线程
+  for (int64_t bc = 0; bc < BT * C; ++bc) {  // 因果深度卷积：y = Σ_j w_j · x_{t−K+1+j}，最后一项是这个位置的输入
+    const int64_t bt = bc / C, c = bc % C, b = bt / T, t = bt % T;
+    float acc = input(b, t - K + 1)[c] * conv_w[c];
+    for (int64_t j = 1; j < K - 1; ++j) acc += input(b, t - K + 1 + j)[c] * conv_w[j * C + c];
+    acc += input(b, t)[c] * conv_w[(K - 1) * C + c];
     y[bc] = silu(acc);
   }
   for (int64_t b = 0; b < B; ++b) {
-    const float* x = proj + b * ld;
-    const float* win = conv + b * (K - 1) * C;
-    float* yb = y.data() + b * C;
-    float* next = conv_out + b * (K - 1) * C;  // 窗口往前挪一格
-    std::memcpy(next, win + C, (K - 2) * C * sizeof(float));
-    std::memcpy(next + (K - 2) * C, x, C * sizeof(float));
-    for (int64_t h = 0; h < Hk; ++h) {
-      l2norm(yb + h * Dk, Dk, 1.0f / std::sqrt(float(Dk)));  // q 还要乘 1/sqrt(Dk)
-      l2norm(yb + key + h * Dk, Dk, 1.0f);
-    }
+    for (int64_t j = 0; j < K - 1; ++j)  // 窗口往前挪 T 格
+      std::memcpy(conv_out + (b * (K - 1) + j) * C, input(b, T - K + 1 + j), C * sizeof(float));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < Hk; ++h) {
+        float* yt = y.data() + (b * T + t) * C;
+        l2norm(yt + h * Dk, Dk, 1.0f / std::sqrt(float(Dk)));  // q 还要乘 1/sqrt(Dk)
+        l2norm(yt + key + h * Dk, Dk, 1.0f);
+      }
   }
 #pragma omp parallel for schedule(static) if (B * Hv * Dk * Dv >= 65536)  // 各头的记忆互不相干，分给各个线程
   for (int64_t bh = 0; bh < B * Hv; ++bh) {
     const int64_t b = bh / Hv, h = bh % Hv, hk = h / (Hv / Hk);  // 值头多于键头时，相邻 Hv/Hk 个值头共用一个 q、k 头
-    const float* x = proj + b * ld;
-    const float* q = y.data() + b * C + hk * Dk;
-    const float* k = q + key;
-    const float* v = y.data() + b * C + 2 * key + h * Dv;
-    const float beta = sigmoid(x[C + Hv * Dv + h]);  // 写入强度 β
-    const float d = std::exp(neg_A[h] * softplus(x[C + Hv * Dv + Hv + h] + dt_bias[h]));  // 衰减 e^g
     float* Sh = S + bh * Dk * Dv;  // 这个头的记忆 [Dk, Dv]
-    std::vector<float> pred(Dv, 0.0f), read(Dv, 0.0f), o(Dv);
-    float qk = 0.0f;
-    for (int64_t i = 0; i < Dk; ++i) {  // 读一遍旧 S：Sᵀk、Sᵀq
-      const float* row = Sh + i * Dv;
-      qk += q[i] * k[i];
-      for (int64_t j = 0; j < Dv; ++j) {
-        pred[j] += row[j] * k[i];
-        read[j] += row[j] * q[i];
+    std::vector<float> pred(Dv), read(Dv), o(Dv);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* x = input(b, t);
+      const float* q = y.data() + (b * T + t) * C + hk * Dk;
+      const float* k = q + key;
+      const float* v = y.data() + (b * T + t) * C + 2 * key + h * Dv;
+      const float beta = sigmoid(x[C + Hv * Dv + h]);  // 写入强度 β
+      const float d = std::exp(neg_A[h] * softplus(x[C + Hv * Dv + Hv + h] + dt_bias[h]));  // 衰减 e^g
+      std::fill(pred.begin(), pred.end(), 0.0f);
+      std::fill(read.begin(), read.end(), 0.0f);
+      float qk = 0.0f;
+      for (int64_t i = 0; i < Dk; ++i) {  // 读一遍旧 S：Sᵀk、Sᵀq
+        const float* row = Sh + i * Dv;
+        qk += q[i] * k[i];
+        for (int64_t j = 0; j < Dv; ++j) {
+          pred[j] += row[j] * k[i];
+          read[j] += row[j] * q[i];
+        }
       }
+      std::vector<float>& delta = pred;  // δ 写在 Sᵀk 的位置上
+      float ss = 0.0f;
+      for (int64_t j = 0; j < Dv; ++j) {
+        delta[j] = (v[j] - d * pred[j]) * beta;  // δ = β(v − e^g Sᵀk)
+        o[j] = d * read[j] + qk * delta[j];      // o = e^g Sᵀq + (qᵀk) δ
+        ss += o[j] * o[j];
+      }
+      for (int64_t i = 0; i < Dk; ++i) {  // 写一遍：S ← e^g S + k ⊗ δ
+        float* row = Sh + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * d + k[i] * delta[j];
+      }
+      if (history && t + 1 < T) std::memcpy(history[t] + bh * Dk * Dv, Sh, Dk * Dv * sizeof(float));
+      const float r = 1.0f / std::sqrt(ss / Dv + eps);  // 门控 RMSNorm：w · rms(o) · silu(z)
+      const float* z = x + C + h * Dv;
+      float* oh = out + ((b * T + t) * Hv + h) * Dv;
+      for (int64_t j = 0; j < Dv; ++j) oh[j] = o[j] * r * norm_w[j] * silu(z[j]);
     }
-    std::vector<float>& delta = pred;  // δ 写在 Sᵀk 的位置上
-    float ss = 0.0f;
-    for (int64_t j = 0; j < Dv; ++j) {
-      delta[j] = (v[j] - d * pred[j]) * beta;  // δ = β(v − e^g Sᵀk)
-      o[j] = d * read[j] + qk * delta[j];      // o = e^g Sᵀq + (qᵀk) δ
-      ss += o[j] * o[j];
-    }
-    for (int64_t i = 0; i < Dk; ++i) {  // 写一遍：S ← e^g S + k ⊗ δ
-      float* row = Sh + i * Dv;
-      for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * d + k[i] * delta[j];
-    }
-    const float r = 1.0f / std::sqrt(ss / Dv + eps);  // 门控 RMSNorm：w · rms(o) · silu(z)
-    const float* z = x + C + h * Dv;
-    float* oh = out + b * Hv * Dv + h * Dv;
-    for (int64_t j = 0; j < Dv; ++j) oh[j] = o[j] * r * norm_w[j] * silu(z[j]);
   }
 }
 }

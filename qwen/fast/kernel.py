@@ -91,7 +91,8 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     **{f"quantize_int4_{t}": [PTR, I64, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
     **{f"to_pairs_{t}": [PTR, I64, I64, I64, PTR] for t in ("f32", "bf16")},
     "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
-    "deltanet_step": [PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, I64, I64, I64, I64, I64, I64],
+    "deltanet_step": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, PTR,
+                      I64, I64, I64, I64, I64, I64],
 }
 
 
@@ -139,14 +140,17 @@ class Kernel:
         self.pairs(xb.data_ptr(), x.shape[0], blocks.shape[1], blocks.data_ptr(), y.data_ptr(), blocks.shape[0])
         return y.to(torch.bfloat16)
 
-    def deltanet_step(self, proj, conv, consts, eps: float, S, dims) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeltaNet 层的一个位置（deltanet.cpp）：proj [B, P] float32（in_proj 的输出），conv [B, K−1, C] 窗口，
-        consts = (conv_w [K, C], −exp(A_log), dt_bias, norm_w)，S [B, Hv, Dk, Dv] 就地更新，dims = (Hk, Hv, Dk, Dv, K)
-        → (门控 RMSNorm 之后的输出 [B, Hv·Dv], 新窗口 [B, K−1, C])。"""
-        B, (Hk, Hv, Dk, Dv, K) = proj.shape[0], dims
-        out, window = torch.empty(B, Hv * Dv), torch.empty_like(conv)
-        self.lib.deltanet_step(proj.data_ptr(), proj.stride(0), conv.data_ptr(), window.data_ptr(),
-                               *(c.data_ptr() for c in consts), eps, S.data_ptr(), out.data_ptr(), B, Hk, Hv, Dk, Dv, K)
+    def deltanet_step(self, proj, conv, consts, eps: float, S, dims, history: list | None = None):
+        """DeltaNet 层 T 个相继的位置（deltanet.cpp）：proj [B, T, P] float32（in_proj 的输出，最后一维连续），conv [B, K−1, C]
+        窗口，consts = (conv_w [K, C], −exp(A_log), dt_bias, norm_w)，S [B, Hv, Dk, Dv] 就地更新成最后一个位置之后的，
+        dims = (Hk, Hv, Dk, Dv, K)；history：None，或 T−1 个与 S 同形状的张量，写进前 T−1 个位置各自之后的 S
+        → (门控 RMSNorm 之后的输出 [B, T, Hv·Dv], 新窗口 [B, K−1, C])。"""
+        (B, T, _), (Hk, Hv, Dk, Dv, K) = proj.shape, dims
+        out, window = torch.empty(B, T, Hv * Dv), torch.empty_like(conv)
+        parts = None if history is None else (ctypes.c_void_p * max(T - 1, 1))(*(h.data_ptr() for h in history))
+        self.lib.deltanet_step(proj.data_ptr(), proj.stride(0), proj.stride(1), T, conv.data_ptr(), window.data_ptr(),
+                               *(c.data_ptr() for c in consts), eps, S.data_ptr(), parts, out.data_ptr(),
+                               B, Hk, Hv, Dk, Dv, K)
         return out, window
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -29,7 +29,7 @@ from .padded import PaddedRows
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
 VERIFY_ROWS = max(DECODE_LENGTHS)  # 不多于这么多个 token 时逐个位置地算（DeltaNet 递推、注意力逐个查询）：与解码逐位相同
-# DeltaNet 层不多于这么多个 token 时逐个位置地调用 C++ 的 deltanet_step（FastDeltaNet.step）：验证草稿（不多于 VERIFY_ROWS）
+# DeltaNet 层不多于这么多个 token 时由 C++ 的 deltanet_step 逐个位置地走（FastDeltaNet.step）：验证草稿（不多于 VERIFY_ROWS）
 # 必须这样算（与解码逐位相同）；短的提示词也这样读，这么短时不比分块形式（第 8 章）慢，而且调用时放开 GIL。它也是一次
 # 前向能与别的请求拼在一起的上限（can_share），服务的调度（qwen/serve/schedule.py）按同一个数把长提示词放在对齐之外读
 STEP_ROWS = 32
@@ -168,15 +168,15 @@ class FastDeltaNet(GatedDeltaNet):
         return self.step(x, state)
 
     def step(self, x, state):
-        """x [B, T, hidden]，T ≤ STEP_ROWS：投影一次，再逐个位置调用 deltanet.cpp（mix），最后 out_proj。"""
+        """x [B, T, hidden]，T ≤ STEP_ROWS：投影一次，deltanet.cpp 逐个位置地走（mix），最后 out_proj。"""
         o = self.mix(self.in_proj(x).float().contiguous(), state)  # [B, T, Hv·Dv]
         return self.out_proj(o.to(x.dtype))
 
     def mix(self, proj, state):
         """投影之后、out_proj 之前的一段：proj [B, T, C + Hv·Dv + 2Hv]（qkv、z、b、a，连续存放的 float32）→ [B, T, Hv·Dv]。
-        每个位置一次 deltanet.cpp 的调用：卷积、归一化、门、递推、门控 RMSNorm 一次算完。与第 7 章同样的状态：卷积窗口、
-        记忆 S；记历史（keep_history）时每个位置之后的 S 各留一份——第一个位置就地更新（同 recurrent_in_place：回滚至少
-        留下第一个 token）——窗口从完整的卷积输入里切。"""
+        一次 deltanet.cpp 的调用走完这 T 个位置：每个位置的卷积、归一化、门、递推、门控 RMSNorm 与单独解码它时一样。
+        与第 7 章同样的状态：卷积窗口、记忆 S；记历史（keep_history）时每个位置之后的 S 各留一份（最后一个位置的就是
+        新的 S），窗口从完整的卷积输入里切。"""
         B, T, _ = proj.shape
         K, C = self.kernel, 2 * self.key_dim + self.value_dim
         Hv, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
@@ -184,17 +184,12 @@ class FastDeltaNet(GatedDeltaNet):
         # C++ 按连续存放的 float32 读写这两块（章节里的状态本来就是，这里不过是保证）
         past = state.conv.float().contiguous() if state.conv is not None else proj.new_zeros(B, K - 1, C)
         S = state.S.float().contiguous() if state.S is not None else proj.new_zeros(B, Hv, Dk, Dv)
-        conv, outs, parts = past, [], []
-        for t in range(T):
-            if t > 0 and state.keep_history:
-                S = S.clone()  # 前一个位置之后的 S 留着，回滚时取用
-            o, conv = self.step_kernel.deltanet_step(proj[:, t], conv, self.step_consts, self.norm.eps, S, dims)
-            outs.append(o)  # [B, Hv·Dv]
-            parts.append(S)
+        history = [torch.empty_like(S) for _ in range(T - 1)] if state.keep_history else None
+        out, conv = self.step_kernel.deltanet_step(proj, past, self.step_consts, self.norm.eps, S, dims, history)
         if state.keep_history:
-            state.history = (torch.cat([past, proj[..., :C]], dim=1), parts)  # 同第 7 章：(完整卷积输入, 每个位置之后的 S)
+            state.history = (torch.cat([past, proj[..., :C]], dim=1), [*history, S])  # 同第 7 章：(完整卷积输入, 每个位置之后的 S)
         state.conv, state.S = conv, S
-        return torch.stack(outs, dim=1)  # [B, T, Hv·Dv]
+        return out  # [B, T, Hv·Dv]
 
     def project(self, x):
         return self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # 四个输入投影拼成一个矩阵
