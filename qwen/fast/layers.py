@@ -246,22 +246,32 @@ class FastDecoderLayer(DecoderLayer):
         （mix：各用各的状态）与 MLP 的激活（有 exp）逐个请求地算，张量与它单独运行时形状相同。所以每个请求的输出与它
         单独前向（forward）时逐位相同，与同时算几个请求、谁在前谁在后无关。"""
         sizes = [p[0].shape[1] for p in parts]
-        x = torch.cat([p[0] for p in parts], dim=1)  # [1, ΣT, hidden]
+        x = join([p[0] for p in parts])  # [1, ΣT, hidden]
         h = self.input_layernorm(x).to(self.dtype)
         if self.layer_type == "linear_attention":
             mixer, out_proj = self.linear_attn, self.linear_attn.out_proj
-            proj = mixer.in_proj.matvec(h).float().split(sizes, dim=1)  # 各 [1, T_i, ·]
+            proj = apart(mixer.in_proj.matvec(h).float(), sizes)  # 各 [1, T_i, ·]
             outs = [mixer.mix(p.contiguous(), state) for p, (_, _, _, state) in zip(proj, parts)]
         else:
             mixer, out_proj = self.self_attn, self.self_attn.o_proj
-            qkv = mixer.qkv.matvec(h).split(sizes, dim=1)
+            qkv = apart(mixer.qkv.matvec(h), sizes)
             outs = [mixer.mix(*y.split(mixer.qkv_sizes, dim=-1), cos, sin, state)
                     for y, (_, cos, sin, state) in zip(qkv, parts)]
-        x = x + out_proj.matvec(torch.cat(outs, dim=1).to(self.dtype)).float()
-        gate_up = self.mlp.gate_up.matvec(self.post_attention_layernorm(x).to(self.dtype)).split(sizes, dim=1)
-        act = torch.cat([self.mlp.act(y) for y in gate_up], dim=1)  # [1, ΣT, intermediate]
+        x = x + out_proj.matvec(join(outs).to(self.dtype)).float()
+        gate_up = apart(self.mlp.gate_up.matvec(self.post_attention_layernorm(x).to(self.dtype)), sizes)
+        act = join([self.mlp.act(y) for y in gate_up])  # [1, ΣT, intermediate]
         x = x + self.mlp.down_proj.matvec(act).float()
-        return list(x.split(sizes, dim=1))
+        return apart(x, sizes)
+
+
+def join(parts: list) -> torch.Tensor:
+    """几个请求的 [1, T_i, ·] 沿 token 维拼起来；只有一个请求时就是它（解码一个请求时每层少几次复制与分派）。"""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def apart(x: torch.Tensor, sizes: list) -> list:
+    """join 的逆：[1, ΣT_i, ·] 按各请求的 T_i 切开。"""
+    return [x] if len(sizes) == 1 else list(x.split(sizes, dim=1))
 
 
 def fuse(module, name: str, parts: list[str], kernel, quantize=None, dtype=None) -> None:
