@@ -13,7 +13,7 @@ from .layers import DECODE_LENGTHS
 from .load import describe
 from .records import read_record, write_record
 
-# 量出的代价的下限：起草一个 token 至少要草稿头的一层与多验证一行（0.8B 上量得 0.15～0.6 步）；比这还低只能是量错了
+# 量出的代价的下限：起草一个 token 至少要草稿头的一层与多验证一行，比这还低只能是量错了（量得的值见 docs/perf-history.md）
 MIN_DRAFT_COST = 0.05
 
 
@@ -55,8 +55,8 @@ def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
 def measure_draft_cost(model, mtp, ids, rounds: int = 3) -> float:
     """这台机器上每多起草一个 token，一轮投机解码多花几步普通解码（第 14 章 best_draft_count 的 cost）。
     量的是真实的循环：固定起草 k = 1…4 个时每一轮（起草、验证、提交）的间隔 t，紧挨着它再量普通解码每个 token 的间隔 t₀，
-    一对一对地比：t / t₀ − 1（这一轮真的起草了几个记下来，预算快用完时会少）。内存带宽在一分钟里能差一倍，分开量的 t₀
-    与 t 不能比（量出过 ≤ 0.01：起草几乎不要钱，服务时就一直起草）。每个起草数取这几对的中位数，
+    一对一对地比：t / t₀ − 1（这一轮真的起草了几个记下来，预算快用完时会少）。内存带宽一会儿快一会儿慢，分开量的 t₀
+    与 t 不能比：量得太低时服务以为起草不要钱，就一直起草。每个起草数取这几对的中位数，
     按 t / t₀ = 1 + cost·k 做最小二乘。头两次产出不算：一次是预填充，一次是草稿头第一次读提示词。"""
     def gaps(generator):
         times, t = [], None
