@@ -2,16 +2,14 @@
 
     logits = lm_head(norm(layers(embed_tokens(ids))))
 
-embed_tokens 查表得到向量；24 个解码层逐层加工；最后一次零中心 RMSNorm；
-lm_head 与 embed_tokens 共用一个矩阵，给词表里每个词打分。
+embed_tokens 查表得到向量；24 个解码层逐层加工；最后一次零中心 RMSNorm；lm_head 与 embed_tokens 共用一个矩阵。
 
-`model(ids, state)` 一次处理 T 个新 token，返回每个位置的 logits，并把 state.pos 前移 T：
-预填充、逐 token 解码、投机解码一次验证几个 token，都是同一个调用。
-state 为 None 时是无缓存的一次性前向（训练与测试用）。
+`model(ids, state)` 一次处理 T 个新 token，返回每个位置的 logits，并把 state.pos 前移 T：预填充、逐 token 解码、
+投机解码一次验证几个 token，都是同一个调用。state 为 None 时是无缓存的一次性前向（训练与测试用）。
 
-加载：先在 meta 设备上搭出模型骨架（不分配内存），读出检查点张量、核对名字与形状，
-再用 load_state_dict(assign=True) 把张量直接“装”进去，内存里始终只有一份权重。附录 qwen.fast.load 用同一个
-load_pretrained 先只读形状，再一层一层地读出权重、换成 CPU 上快的布局（像 gpt-fast 的 _load_model）。
+加载：先在 meta 设备上搭出模型骨架（不分配内存），读出检查点张量、核对名字与形状，再用 load_state_dict(assign=True)
+把张量直接“装”进去，内存里始终只有一份权重。附录 qwen.fast.load 用同一个 load_pretrained 先只读形状，
+再一层一层地读出权重、换成 CPU 上快的布局（像 gpt-fast 的 _load_model）。
 """
 
 import torch
@@ -20,7 +18,7 @@ from torch import nn
 from .embedding import Embedding
 from .layer import DecoderLayer
 from .norm import RMSNorm
-from .rope import rope_tables
+from .rope import mrope_tables, rope_tables
 from .weights import Config, check_state_dict, find_model, load_config, load_weights
 
 PREFILL_PIECE = 256  # 带状态的长输入按这么多个 token 一段喂：中间张量的内存峰值随段长、而不随提示词长度增长
@@ -39,8 +37,7 @@ class Model(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight  # 共用同一个参数
 
     @property
-    def dtype(self) -> torch.dtype:
-        """权重的 dtype（bfloat16 或 float32）。"""
+    def dtype(self) -> torch.dtype:  # 权重的 dtype（bfloat16 或 float32）
         return self.layers[0].dtype
 
     def check_ids(self, ids, state) -> torch.Tensor:
@@ -65,19 +62,17 @@ class Model(nn.Module):
                              f"max_position_embeddings = {self.cfg.max_position_embeddings}")
         return ids
 
-    def hidden(self, ids, state=None) -> torch.Tensor:
-        """最后一次 norm 之后的隐藏状态 [B, T, hidden]（MTP 草稿头要用它）。"""
+    def hidden(self, ids, state=None, images=None) -> torch.Tensor:
+        """最后一次 norm 之后的隐藏状态 [B, T, hidden]（MTP 草稿头要用它）。images：提示词里的图（第 15 章的 Images；
+        批处理时每行一个或 None）：图像 token 的向量换成视觉塔的输出，位置换成三维的 (t, h, w)。"""
         ids = self.check_ids(ids, state)
         B, T = ids.shape
+        if images is not None:
+            return self.hidden_with_images(ids, state, images)
         if state is not None and T > self.piece:  # 分段预填充：与一次喂完完全等价（状态本来就是为增量设计的）
             return torch.cat([self.hidden(ids[:, i : i + self.piece], state) for i in range(0, T, self.piece)], 1)
-        pos = state.pos if state is not None else 0
-        positions = torch.arange(pos, pos + T, device=ids.device)  # [T]
-        valid = None
-        if state is not None and state.valid is not None:  # 批处理：左填充
-            valid = state.extend_valid(T)  # [B, pos + T]
-            positions = positions - state.pad[:, None]  # [B, T]：每行从自己的第一个真实 token 数起
-        cos, sin = self.rope(positions)
+        valid = None if state is None or state.valid is None else state.extend_valid(T)  # [B, pos + T]：批处理的左填充
+        cos, sin = self.rope(self.positions(T, state, ids.device))
         x = self.embed_tokens(ids)  # [B, T, hidden]
         dtype = x.dtype  # 权重的 dtype：最后的隐藏状态转回它，交给输出头
         x = self.run_layers(x.float(), cos, sin, state, valid)  # 残差流用 float32
@@ -85,22 +80,52 @@ class Model(nn.Module):
             state.pos += T
         return self.norm(x).to(dtype)
 
-    def run_layers(self, x, cos, sin, state=None, valid=None) -> torch.Tensor:
-        """24 个解码层逐层加工 x [B, T, hidden]，各层用状态里自己的那一份。"""
+    def positions(self, T: int, state, device=None) -> torch.Tensor:
+        """T 个新 token 的 RoPE 位置 [T]：pos + shift 起；左填充时 [B, T]，每行从自己的第一个真实 token 数起。"""
+        if state is None:
+            return torch.arange(T, device=device)
+        p = torch.arange(state.pos, state.pos + T, device=device)
+        p = p if state.valid is None else p - state.pad[:, None]
+        return p + (state.shift[:, None] if torch.is_tensor(state.shift) else state.shift)
+
+    def hidden_with_images(self, ids, state, images) -> torch.Tensor:  # 每行的图放进嵌入、排好三维位置，同样分段
+        B, T = ids.shape
+        rows = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(rows) != B:  # 批处理：每行一个
+            raise ValueError(f"images 应是每行一个（Images 或 None），收到 {len(rows)} 个，提示词有 {B} 行")
+        base, x = self.positions(T, state, ids.device).expand(B, T), self.embed_tokens(ids)  # [B, T]、[B, T, hidden]
+        lead = [0] * B if state is None or state.valid is None else (state.pad - state.pos).clamp(min=0).tolist()
+        xs, ps = list(x), [p.expand(3, -1) for p in base]  # 每行：左填充不动，真实 token 里放进图
+        for b, (im, a) in enumerate(zip(rows, lead)):
+            if im is not None:
+                xb, pb = im.place(x[b, a:], ids[b, a:], int(base[b, a]))
+                xs[b], ps[b] = torch.cat([x[b, :a], xb]), torch.cat([ps[b][:, :a], pb], 1)
+        positions, h, out = torch.stack(ps, 1), torch.stack(xs).float(), []  # [3, B, T]、[B, T, hidden]
+        cos, sin = mrope_tables(self.cfg, positions if B > 1 else positions[:, 0])
+        step = self.piece if state is not None else T  # 分段：与上面的 hidden 一样
+        for i in range(0, T, step):
+            n = min(step, T - i)
+            valid = None if state is None or state.valid is None else state.extend_valid(n)
+            out.append(self.run_layers(h[:, i : i + n], cos[..., i : i + n, :], sin[..., i : i + n, :], state, valid))
+            if state is not None:
+                state.pos += n
+        if state is not None:  # 之后的文字从 max(位置) + 1 接着数：shift = 它 − 下一个 token 的 pos
+            ends = positions.amax((0, 2)) + 1 - (state.pos if state.valid is None else state.pos - state.pad)
+            state.shift = int(ends[0]) if state.valid is None else ends
+        return self.norm(torch.cat(out, 1)).to(x.dtype)
+
+    def run_layers(self, x, cos, sin, state=None, valid=None) -> torch.Tensor:  # 各层用状态里自己的那一份
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if state is None else state.layers[i], valid)
         return x
 
-    def rope(self, positions):
-        """各位置的 RoPE 表 cos、sin（第 5 章）。"""
+    def rope(self, positions):  # 各位置的 RoPE 表 cos、sin（第 5 章）
         return rope_tables(self.cfg, positions)
 
-    def forward(self, ids, state=None, last: bool = False) -> torch.Tensor:
+    def forward(self, ids, state=None, last: bool = False, images=None) -> torch.Tensor:
         """logits [B, T, vocab]（float32）；last=True 时只算最后一个位置 [B, 1, vocab]，预填充省下大量计算。"""
-        h = self.hidden(ids, state)
-        if last:
-            h = h[:, -1:]
-        return self.lm_head(h).float()
+        h = self.hidden(ids, state, images)
+        return self.lm_head(h[:, -1:] if last else h).float()
 
     @classmethod
     def from_pretrained(cls, path=None, dtype: torch.dtype = torch.float32, **old) -> "Model":

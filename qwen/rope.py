@@ -5,8 +5,11 @@
 位置之差，于是注意力分数自然带上了相对位置。
 
 Qwen3.5 只旋转每个头的前 rotary_dim = head_dim × 0.25 = 64 维，其余 192 维原样保留；
-theta 很大（1e7），适合超长上下文。配置里的 M-RoPE（给图像的三维位置）对纯文本而言三个
-分量的位置相同，就退化成这里的普通 RoPE。布局是 NeoX 式：前一半与后一半配对（rotate_half）。
+theta 很大（1e7），适合超长上下文。布局是 NeoX 式：前一半与后一半配对（rotate_half）。
+
+M-RoPE（多模态 RoPE，Qwen2-VL）：位置有三个分量 (t, h, w)，32 个频率轮流分给它们（mrope_section [11, 11, 10]，
+交错：第 i 个频率给 i % 3 那一轴）。图像 token 的 h、w 是它在图里的行、列（第 15 章）；文字的三个分量相同，
+每个频率的角度都与普通 RoPE 逐位相同：纯文本时 M-RoPE 就是上面的普通 RoPE。
 """
 
 import torch
@@ -18,6 +21,17 @@ def rope_tables(cfg, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
     angles = positions.float()[..., None] * inv_freq  # [..., T, d/2]：p·θ_i
     angles = torch.cat([angles, angles], dim=-1)  # [..., T, d]：前后两半用同一组角度
+    return angles.cos(), angles.sin()
+
+
+def mrope_tables(cfg, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """三维位置 [3, T] 或 [3, B, T]（t, h, w）→ cos, sin [..., T, rotary_dim]：第 i 个频率用第 axis[i] 轴的位置。"""
+    d, (_, h, w) = cfg.rotary_dim, cfg.mrope_section
+    axis = torch.zeros(d // 2, dtype=torch.long)  # 0 = t：交错分配，h 取 1, 4, 7, …，w 取 2, 5, 8, …
+    axis[1 : 3 * h : 3], axis[2 : 3 * w : 3] = 1, 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
+    angles = positions[axis.to(positions.device)].movedim(0, -1).float() * inv_freq  # [..., T, d/2]
+    angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 

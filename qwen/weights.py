@@ -2,7 +2,7 @@
 
 一个 Hugging Face 检查点就是一个文件夹：`config.json` 描述模型的形状，`*.safetensors` 装着张量（大模型切成几个分片，
 由 `model.safetensors.index.json` 记录每个张量在哪个分片里）。Qwen3.5 发布的是多模态包装：语言模型的配置嵌在 `text_config`
-里，张量名以 `model.language_model.` 开头，旁边还有视觉塔 `model.visual.*`（我们不读）和 MTP 草稿头 `mtp.*`（第 14 章用）。
+里，张量名以 `model.language_model.` 开头，旁边还有视觉塔 `model.visual.*`（第 15 章）和 MTP 草稿头 `mtp.*`（第 14 章）。
 
 safetensors 可以“按名字懒读取”：只打开文件头，要哪个张量才从磁盘映射进来，所以以 bfloat16 加载时不会出现 float32 副本。
 我们只用 safetensors：`torch.load` 会执行 pickle 里的任意代码，不能拿来读别人给的文件。坏的输入（缺文件、截断的文件、
@@ -20,9 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 REPO_ID = "Qwen/Qwen3.5-0.8B"
-# 下载时只取这些文件：配置、权重、分片索引、分词器与对话模板；不要视觉预处理等无关文件。
-NEEDED_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+NEEDED_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",  # 下载时只取这些
+                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"]
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # 多模态包装 / 纯文本
 DEMO_PATH = Path(__file__).parent / "demo"  # 随包附带的小检查点（附录“训练”一章训出来的），离线也能用
 
@@ -46,6 +45,7 @@ class Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25  # 只旋转每个头的前 25% 维（256 → 64）
+    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])  # M-RoPE：32 个频率里给 t、h、w 各几个
     max_position_embeddings: int = 262144
     tie_word_embeddings: bool = True  # 输出头与词嵌入共用一个矩阵
     mtp_num_hidden_layers: int = 1
@@ -54,7 +54,7 @@ class Config:
     full_attention_interval: int = 4  # 没给 layer_types 时：第 i 层在 (i+1) % 4 == 0 时是全注意力
 
     def __post_init__(self):
-        kinds = {"int": int, "float": (int, float), "bool": bool, "int | None": (int, type(None)), "list[str]": list}
+        kinds = {"int": int, "float": (int, float), "bool": bool, "int | None": (int, type(None)), "list[str]": list, "list[int]": list}
         for f in fields(self):  # 配置是用户给的文件：类型不对就在这里说清楚，而不是在 torch 深处报错
             v = getattr(self, f.name)
             if not isinstance(v, kinds[f.type]) or (isinstance(v, bool) and f.type != "bool"):
@@ -87,7 +87,7 @@ class Config:
         if not isinstance(rope, dict):  # 新版的 rope_theta、partial_rotary_factor 写在 rope_parameters 里
             raise ValueError(f"{'rope_parameters' if isinstance(text, dict) else 'text_config'} 应是 {{字段: 值}} 的对象")
         text = {"tie_word_embeddings": d.get("tie_word_embeddings"), **text}  # 多模态包装把它写在顶层
-        text.update({k: rope[k] for k in ("rope_theta", "partial_rotary_factor") if k in rope and k not in text})
+        text.update({k: rope[k] for k in ("rope_theta", "partial_rotary_factor", "mrope_section") if k in rope and k not in text})
         eos = text.get("eos_token_id", d.get("eos_token_id"))
         text["eos_token_id"] = eos[0] if isinstance(eos, list) and eos else eos
         names = {f.name for f in fields(cls)}
@@ -166,7 +166,7 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
             names = list(f.keys())
         for name in names:
             prefix = next((p for p in prefixes if name.startswith(p)), None)
-            if prefix is not None and not name.startswith("model.visual."):  # 视觉塔：不读
+            if prefix is not None and (part != "model." or not name.startswith("model.visual.")):  # 视觉塔是第 15 章的
                 key = name[len(prefix):]
             elif part == "model." and name == "lm_head.weight":
                 key = name

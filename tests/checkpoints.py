@@ -142,18 +142,7 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
         tensors.update({k: v.to(dtype) for k, v in mtp_tensors(cfg, gen).items()})
     tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 4, 4, generator=gen).to(dtype)
     tensors["model.visual.merger.linear_fc1.weight"] = torch.randn(16, 16, generator=gen).to(dtype)
-
-    names = sorted(tensors)
-    half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
-    weight_map = {}
-    for file, keys in shards.items():
-        save_file({k: tensors[k] for k in keys}, str(path / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in keys})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
+    save_shards(path, tensors)
 
     text = cfg.to_dict()
     text["model_type"] = "qwen3_5_text"
@@ -170,6 +159,78 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer:
         make_tokenizer(path, min(400, cfg.vocab_size))
+    return path, hf
+
+
+def save_shards(path, tensors):
+    """两个分片加索引，与发布的检查点一样。"""
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(path / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in keys})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+VISION_08B = dict(hidden_size=768, num_heads=12, intermediate_size=3072, patch_size=16, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=2304)  # 0.8B 的视觉塔宽度
+VISION_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+PREPROCESSOR = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
+                "image_std": [0.5] * 3, "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor"}
+
+
+@torch.no_grad()
+def randomize_vision(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """视觉塔：LayerNorm 的权重围绕 1（它是普通的缩放），偏置小而不为零，矩阵按 1/sqrt(输入宽度)。"""
+    for name, p in module.named_parameters():
+        if "norm" in name:
+            p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif "pos_embed" in name:
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(math.prod(p.shape[1:])))
+
+
+def make_vision_checkpoint(path, seed: int = 0, depth: int = 2, out_scale: float = OUT_SCALE, mtp: bool = True,
+                           dtype=torch.float32, **overrides):
+    """发布布局的多模态检查点：文本模型、mtp.*、视觉塔 model.visual.*（0.8B 的宽度，depth 个块）、preprocessor_config.json，
+    分词器带视觉的特殊记号，图像 token 的 id 从它读（不是发布检查点的 248056：我们必须从 config.json 读）。
+    返回 (path, transformers 的 Qwen3_5ForConditionalGeneration)。"""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tk = make_tokenizer(path, 400, SPECIAL + VISION_SPECIAL)
+    ids = {k: tk.token_to_id(t) for k, t in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                                  "video_token_id"), VISION_SPECIAL)}
+    gen = torch.Generator().manual_seed(seed)
+    text = hf_config(True, **overrides)
+    torch.manual_seed(seed)
+    cfg = Qwen3_5Config(text_config=text.to_dict(), tie_word_embeddings=True, **ids,
+                        vision_config=dict(depth=depth, out_hidden_size=text.hidden_size, **VISION_08B))
+    hf = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    randomize(hf.model.language_model, gen, out_scale)
+    randomize_vision(hf.model.visual, gen)
+    tensors = {}
+    for k, v in hf.state_dict().items():
+        keep32 = k.endswith("A_log") or k.endswith("linear_attn.norm.weight")
+        if k != "lm_head.weight":
+            tensors[k] = v.to(torch.float32 if keep32 else dtype).contiguous()
+    if mtp:
+        tensors.update({k: v.to(dtype) for k, v in mtp_tensors(text, gen).items()})
+    save_shards(path, tensors)
+    config = cfg.to_dict()
+    config["text_config"].update(model_type="qwen3_5_text", mtp_num_hidden_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     return path, hf
 
 
@@ -203,7 +264,7 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(path, vocab_size: int = 400):
+def make_tokenizer(path, vocab_size: int = 400, special=SPECIAL):
     """字节级 BPE 分词器，带 Qwen 的特殊记号；存为 path/tokenizer.json，旁边放一个 ChatML 对话模板
     （发布的检查点有 chat_template.jinja，Chat 据此按对话格式组织提示词）。"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -212,7 +273,7 @@ def make_tokenizer(path, vocab_size: int = 400):
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tk.train_from_iterator(CORPUS * 20, trainer)
     tk.save(str(Path(path) / "tokenizer.json"))
