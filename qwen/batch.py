@@ -20,8 +20,9 @@ from .sample import Penalty, Sampling, pick, stop_ids
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts, max_new_tokens=100, stop=(), sampling: Sampling | None = None, **settings):
-    """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。每行各罚各的重复。"""
+def generate_batch(model, prompts, max_new_tokens=100, stop=(), sampling: Sampling | None = None, images=None, **settings):
+    """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。每行各罚各的重复。
+    images：每行一个（第 15 章的 Images 或 None），或不给。"""
     s = Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
     if not len(prompts):
@@ -43,7 +44,7 @@ def generate_batch(model, prompts, max_new_tokens=100, stop=(), sampling: Sampli
     gens = [s.generator(device) for _ in range(B)]  # 每行一个：与单独生成时抽到同样的随机数
     state = State(model, valid)
     penalty = Penalty(prompts, model.cfg.vocab_size, s)  # 只算真实 token，不算填充
-    logits = model(ids, state, last=True)[:, -1]  # [B, V]
+    logits = model(ids, state, last=True, images=images)[:, -1]  # [B, V]
     done = [False] * B
     for i in range(max_new_tokens):
         scores = penalty(logits)  # [B, V]

@@ -9,26 +9,36 @@
 """
 
 import json
+from itertools import takewhile
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from .sample import Sampling, stream
+from .sample import stream
 
 ROLES = ("system", "user", "assistant", "tool")
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # 模板里的一张图；<|image_pad|> 之后按图的大小展开（第 15 章）
 # 有工具时系统轮的开头：发布的模板里的英文原文，{tools} 处每行一个工具的 JSON
 TOOLS_PROMPT = (Path(__file__).parent / "tools_prompt.txt").read_text(encoding="utf-8")
 
 
-def text_of(content, i: int) -> str:
-    """消息内容 → 去掉首尾空白的文字。内容可以是字符串、None，或 [{"type": "text", "text": …}, …] 这样的分段列表。"""
-    if isinstance(content, list) and all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in content):
-        content = "".join(c["text"] for c in content)
-    if not isinstance(content, (str, type(None))):
-        raise ValueError(f"第 {i} 条消息的 content 应为字符串或 [{{'type': 'text', 'text': ...}}] 列表（这里不支持图像），"
-                         f"收到 {type(content).__name__}")
-    return (content or "").strip()
+def text_of(content, i: int, images: list | None = None, add_vision_id: bool = False) -> str:
+    """消息内容 → 去掉首尾空白的文字。内容是字符串、None 或分段的列表：文字 {"type": "text", "text": …}，图像 {"type": "image",
+    "image": 路径、bytes、PIL 图像} 或 {"type": "image_url", …}（OpenAI）写成 IMAGE、记进 images（系统消息的是 None）。"""
+    out = ""
+    for c in content if isinstance(content, list) else [{"text": content or ""}]:
+        kind = next((k for k in ("image", "image_url", "text") if isinstance(c, dict) and (k in c or c.get("type") == k)), None)
+        if kind == "text" and isinstance(c.get("text"), str):
+            out += c["text"]
+        elif kind and kind != "text":  # 图：系统消息的 images 是 None
+            if images is None:
+                raise ValueError(f"第 {i} 条消息里有图：系统消息不能带图；别的消息带图时传 images=[] 收下它们，交给第 15 章的视觉塔")
+            images.append(c)
+            out += f"Picture {len(images)}: " * add_vision_id + IMAGE
+        else:  # 视频、别的
+            raise ValueError(f"第 {i} 条消息的 content 应为字符串或文字、图像分段的列表（还不支持视频），收到 {str(c)[:60]}")
+    return out.strip()
 
 
 def tool_call_text(call, i: int) -> str:
@@ -39,24 +49,23 @@ def tool_call_text(call, i: int) -> str:
     args = call.get("arguments") or {}
     if not isinstance(args, dict):
         raise ValueError(f"第 {i} 条消息的工具调用 {call['name']} 的 arguments 应为 dict（参数名: 值）")
-    out = f"<tool_call>\n<function={call['name']}>\n"
-    for name, value in args.items():
-        value = json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else str(value)
-        out += f"<parameter={name}>\n{value}\n</parameter>\n"
-    return out + "</function>\n</tool_call>"
+    params = "".join(f"<parameter={k}>\n{json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v}\n</parameter>\n"
+                     for k, v in args.items())  # 字典、列表写成 JSON，其余照原样
+    return f"<tool_call>\n<function={call['name']}>\n{params}</function>\n</tool_call>"
 
 
-def build_prompt(messages, enable_thinking: bool = False, tools=None, add_generation_prompt: bool = True) -> str:
-    """把 [{"role": ..., "content": ...}, ...]（可选 tools：函数说明的列表）渲染成 Qwen3.5 的对话提示词。"""
+def build_prompt(messages, enable_thinking=False, tools=None, add_generation_prompt=True, add_vision_id=False, images=None) -> str:
+    """把 [{"role": ..., "content": ...}, ...]（可选 tools：函数说明的列表）渲染成 Qwen3.5 的对话提示词。消息里的图按出现的
+    顺序记进 images（带图时必须给一个列表）；add_vision_id：每张图前写 “Picture n: ”。"""
     if not messages:
         raise ValueError("messages 是空的：至少要有一条用户消息")
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else m
-        if role not in ROLES:
-            raise ValueError(f"第 {i} 条消息的角色 {role!r} 未知：应为 {', '.join(ROLES)} 之一")
-        if role == "system" and i:
-            raise ValueError(f"第 {i} 条消息是 system：系统消息只能是第一条")
-    texts = [text_of(m.get("content"), i) for i, m in enumerate(messages)]
+        if role not in ROLES or role == "system" and i:
+            raise ValueError(f"第 {i} 条消息的角色 {role!r} " + ("不对：系统消息只能是第一条" if role == "system" else
+                                                              f"未知：应为 {', '.join(ROLES)} 之一"))
+    texts = [text_of(m.get("content"), i, images if m["role"] != "system" else None, add_vision_id)
+             for i, m in enumerate(messages)]
     queries = [i for i, m in enumerate(messages) if m["role"] == "user"
                and not (texts[i].startswith("<tool_response>") and texts[i].endswith("</tool_response>"))]
     if not queries:
@@ -84,9 +93,8 @@ def build_prompt(messages, enable_thinking: bool = False, tools=None, add_genera
             opening = "<|im_start|>user" if i and messages[i - 1]["role"] != "tool" else ""
             closing = "<|im_end|>\n" if i + 1 == len(messages) or messages[i + 1]["role"] != "tool" else ""
             parts.append(f"{opening}\n<tool_response>\n{content}\n</tool_response>{closing}")
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n" + ("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n"))
-    return "".join(parts)
+    generation = "<|im_start|>assistant\n" + ("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n")
+    return "".join(parts) + generation * add_generation_prompt
 
 
 class TextStream:
@@ -98,23 +106,20 @@ class TextStream:
 
     def put(self, token: int) -> str:
         self.ids.append(token)
-        old = self.tk.decode(self.ids[self.prefix : self.read], skip_special_tokens=False)
-        new = self.tk.decode(self.ids[self.prefix :], skip_special_tokens=False)
+        old, new = (self.tk.decode(self.ids[self.prefix : end], skip_special_tokens=False) for end in (self.read, None))
         if len(new) > len(old) and not new.endswith("\ufffd"):  # 末尾没有半个字符
             self.prefix, self.read = self.read, len(self.ids)
             return new[len(old) :]
         return ""
 
     def flush(self) -> str:  # 结束时输出剩下的（若真的是不完整的字节，也只好原样交出）
-        old = self.tk.decode(self.ids[self.prefix : self.read], skip_special_tokens=False)
-        new = self.tk.decode(self.ids[self.prefix :], skip_special_tokens=False)
+        old, new = (self.tk.decode(self.ids[self.prefix : end], skip_special_tokens=False) for end in (self.read, None))
         self.prefix = self.read = len(self.ids)
         return new[len(old) :]
 
 
 class Chat:
-    def __init__(self, model, path=None):
-        """path：检查点文件夹（分词器与对话模板在里面），默认是加载 model 的那个。"""
+    def __init__(self, model, path=None):  # path：检查点文件夹（分词器与对话模板在里面），默认是加载 model 的那个
         self.model = model
         self.path = path = Path(path if path is not None else getattr(model, "path", "."))
         if not (path / "tokenizer.json").is_file():
@@ -125,36 +130,31 @@ class Chat:
             raise ValueError(f"{path / 'tokenizer.json'} 读不了（{e}）：文件可能被截断或改坏了，请重新下载它") from None
         self.stop = [i for i in (self.tk.token_to_id("<|im_end|>"), self.tk.token_to_id("<|endoftext|>")) if i is not None]
         # 有对话模板的检查点按 ChatML 组织提示词；没有的（比如只学过代码的 demo 模型）提示词原样喂给它续写
-        config = path / "tokenizer_config.json"
-        self.templated = (path / "chat_template.jinja").is_file() or (
-            config.is_file() and "chat_template" in config.read_text(encoding="utf-8"))
+        self.templated = (path / "chat_template.jinja").is_file() or ((config := path / "tokenizer_config.json").is_file()
+                                                                       and "chat_template" in config.read_text(encoding="utf-8"))
 
-    def prompt(self, messages, enable_thinking: bool = False, tools=None) -> str:
-        """对话消息 → 提示词文字：有模板时用 build_prompt，否则把各条消息的内容原样接起来。"""
+    def prompt(self, messages, enable_thinking=False, tools=None, images=None) -> str:
+        """对话消息 → 提示词文字：有模板时用 build_prompt（图记进 images），否则把各条消息的内容原样接起来。"""
         if self.templated:
-            return build_prompt(messages, enable_thinking, tools)
+            return build_prompt(messages, enable_thinking, tools, images=images)
         return "".join(m["content"] for m in messages if m.get("role") != "system")
 
     def encode(self, text: str) -> torch.Tensor:
         """文字 → [1, T] 的 id 张量（特殊记号如 <|im_start|> 按一个 token 识别）。"""
         if not isinstance(text, str) or not text or any("\ud800" <= c <= "\udfff" for c in text):
             raise ValueError(f"提示词应是非空、合法的 Unicode 文字（str，不含单独的代理字符 U+D800–U+DFFF），收到 {text!r:.60}")
-        ids = self.tk.encode(text, add_special_tokens=False).ids
-        return torch.tensor([ids])
+        return torch.tensor([self.tk.encode(text, add_special_tokens=False).ids])
 
-    def decode(self, ids) -> str:
+    def decode(self, ids) -> str:  # 特殊记号照原样写出
         return self.tk.decode(list(ids), skip_special_tokens=False)
 
     def stream_text(self, tokens):  # token 的迭代器 → 文字片段的迭代器；停止符不输出
         out = TextStream(self.tk)
-        for t in tokens:
-            if t in self.stop:
-                break
+        for t in takewhile(lambda t: t not in self.stop, tokens):
             yield from filter(None, [out.put(t)])  # 还是半个字符时这一步什么也不产出
         yield from filter(None, [out.flush()])
 
-    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling: Sampling | None = None,
-              **settings):
+    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, **settings):
         """流式产出回答的文字片段，每次从头读整段对话（复用读过的历史、投机解码、推荐的采样：附录的 Conversation）。"""
-        ids = self.encode(self.prompt(messages, enable_thinking, tools))
+        ids = self.encode(self.prompt(messages, enable_thinking, tools))  # 带图的对话要视觉塔：附录的 Conversation
         return self.stream_text(stream(self.model, ids, max_new_tokens, self.stop, sampling, **settings))

@@ -38,17 +38,17 @@ class MTP(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.draft_cost = 0.9  # 多起草一个 token 一轮多花几步普通解码（best_draft_count）：普通的矩阵乘法，取得保守
 
-    def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None):
+    def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None, shift: int = 0):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后）：第 i 行是位置 start + i 的 (h_t, e_{t+1})，预测 t + 2。"""
         x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
         x = self.fc(x.to(emb_next.dtype))  # [B, T, h]：嵌入在前，隐藏状态在后（emb_next 是权重的 dtype）
-        cos, sin = rope_tables(self.cfg, start + torch.arange(x.shape[1], device=x.device))
+        cos, sin = rope_tables(self.cfg, start + shift + torch.arange(x.shape[1], device=x.device))  # 同主模型：位置 + shift
         return self.norm(self.layers[0](x.float(), cos, sin, state)).to(emb_next.dtype)
 
     def draft(self, model, pending: "Drafter", k: int, pick: "Sampler"):
         """起草 k 个 → (草稿, 各自的分布 q 或 None)：先吃掉 pending 里的 (e_{t+1}, h_t) 对，再吃自己的输出（x 当下一步的 h）。"""
         pending.cache.truncate(pending.start)  # 丢掉上一轮递归起草留下的推测条目
-        x = self(model.embed_tokens(pending.tokens), pending.hidden, pending.start, pending.cache)[:, -1:]  # [1, 1, h]
+        x = self(model.embed_tokens(pending.tokens), pending.hidden, pending.start, pending.cache, pending.shift)[:, -1:]
         end = pending.start + pending.tokens.shape[1]  # 吃掉了：之后从 end（这一轮的开始）重新攒
         pending.hidden, pending.tokens, pending.start = pending.hidden[:, :0], pending.tokens[:, :0], end
         drafts, qs = [], []
@@ -56,7 +56,7 @@ class MTP(nn.Module):
             d, q = pick.choose(self.draft_logits(model, x)[0, -1:], drafts)  # 起草的分数 [1, V]
             drafts, qs = drafts + [d], qs + [q]
             if i + 1 < k:
-                x = self(model.embed_tokens(torch.tensor([[d]], device=x.device)), x, end + i, pending.cache)
+                x = self(model.embed_tokens(torch.tensor([[d]], device=x.device)), x, end + i, pending.cache, pending.shift)
         return drafts, qs
 
     def draft_logits(self, model, x):  # x [B, 1, h] → 全词表的 float32 logits [B, 1, V]
@@ -113,10 +113,10 @@ class Drafter:
     hidden: torch.Tensor  # [1, P, h]：主模型在这些位置的隐藏状态
     tokens: torch.Tensor  # [1, P]：每个位置的下一个 token
     start: int
+    shift: int = 0  # 主模型的 State.shift（读过图之后）：草稿头的 RoPE 位置同样平移，提示词里图前的位置也按它算（只是草稿）
 
     def add(self, hidden, tokens: list):
-        self.hidden = torch.cat([self.hidden, hidden], 1)
-        self.tokens = torch.cat([self.tokens, torch.tensor([tokens], device=self.tokens.device)], 1)
+        self.hidden, self.tokens = torch.cat([self.hidden, hidden], 1), torch.cat([self.tokens, self.tokens.new_tensor([tokens])], 1)
 
 
 def forward_hidden(model, ids, state):  # → (logits [B, T, V] float32：验证要它, 最后一次 norm 之后的 [B, T, h]：草稿头要它)
@@ -178,15 +178,14 @@ def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, pi
 
 @torch.inference_mode()
 def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, draft_tokens=None,
-               recompute=False, result=None, state=None, drafter=None, history=(), draft_cost=None, **settings):
+               recompute=False, result=None, state=None, drafter=None, history=(), draft_cost=None, images=None, **settings):
     """逐轮产出新 token（接受的草稿与主模型补的一个），细节记进 result。draft_tokens=None：按接受率挑；recompute：存档 + 重算。
     接着对话时 state 已读过 history，drafter 是草稿头这一边；draft_cost：每轮问一次的代价函数（默认 mtp.draft_cost）。"""
     t0, s = time.perf_counter(), Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
         raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
-    ids = model.check_ids(ids, state)
-    if ids.shape[0] != 1:
+    if (ids := model.check_ids(ids, state)).shape[0] != 1:
         raise ValueError("投机解码一次处理一个提示词")
     r = result if result is not None else SpecResult()
     r.accepted_at, r.tried_at = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS)
@@ -195,12 +194,13 @@ def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling 
     stop, r.state = stop_ids(stop), state or State(model)
     seen = torch.cat([torch.as_tensor(history, dtype=torch.long), ids[0].cpu()])
     pick = Sampler(s, s.generator(ids.device), Penalty([seen], model.cfg.vocab_size, s))
-    h = model.hidden(ids, r.state)  # 预填充；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
+    h = model.hidden(ids, r.state, images)  # 预填充（images：ids 里的图）；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
     last, _ = pick.choose(model.lm_head(h[:, -1]).float())
     r.tokens, r.forwards, r.prefill_seconds = [last], 1, time.perf_counter() - t0
     yield [last]
     pick.penalty.add([last])
     fresh, drafter = drafter is None, drafter or Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
+    drafter.shift = r.state.shift
     drafter.add(h, ids[0, int(fresh) :].tolist() + [last])  # 草稿头还没见过的对：每个位置配上下一个 token
     idle = 0  # 连续几轮没有起草
     while last not in stop and len(r.tokens) < max_new_tokens:

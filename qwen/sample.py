@@ -131,9 +131,9 @@ def stop_ids(stop) -> set:  # 停止符是一组 token id：给的是字符串�
 
 @torch.inference_mode()
 def stream(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, state=None, history=None,
-           **settings):
+           images=None, **settings):
     """逐个产出新 token 的 id（int），命中停止符时产出它然后结束。sampling 默认贪心，settings 在它之上改几项。
-    state 给定时接着它喂 ids（它已经见过 history 这些 token，多轮对话不必重读历史；罚重复时也算上 history）。"""
+    state 给定时接着它喂 ids（已见过 history，多轮对话不必重读；罚重复时也算上）。images：ids 里的图（第 15 章）。"""
     s = Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
     if max_new_tokens == 0:
@@ -144,7 +144,7 @@ def stream(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = 
     stop, gen, state = stop_ids(stop), s.generator(ids.device), state or State(model)
     seen = ids[0] if history is None else torch.cat([torch.as_tensor(history, dtype=torch.long, device=ids.device), ids[0]])
     penalty = Penalty([seen], model.cfg.vocab_size, s)
-    logits = model(ids, state, last=True)[:, -1]  # 预填充：只要最后一个位置的 logits
+    logits = model(ids, state, last=True, images=images)[:, -1]  # 预填充：只要最后一个位置的 logits
     for i in range(max_new_tokens):
         token = pick(penalty(logits), s.temperature, s.top_k, s.top_p, gen)  # [1]
         t = int(token)

@@ -31,9 +31,6 @@ from .model import load_pretrained
 from .rope import rotate_half
 from .weights import find_model
 
-MAX_SOURCE_PIXELS = 20_000 * 20_000  # 解码前的上限：更大的图先拒绝，内存有界（解码后立刻缩小到 max_pixels 以内）
-
-
 @dataclass
 class VisionConfig:
     """视觉塔与图像准备的超参数：config.json 的 vision_config、顶层的 token id、preprocessor_config.json。默认值是 0.8B。"""
@@ -89,15 +86,14 @@ def open_image(src):
     if not isinstance(src, (str, Path, bytes, bytearray)):
         raise ValueError(f"图像应是文件路径、bytes 或 PIL 图像，收到 {type(src).__name__}")
     name = "图像数据" if isinstance(src, (bytes, bytearray)) else f"图像文件 {src}"
-    try:
+    try:  # 只读文件头就知道尺寸：超过 Pillow 的上限（约 1.8 亿像素）的图在解码前拒绝，内存有界
         img = Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src)
-        if img.width * img.height > MAX_SOURCE_PIXELS:
-            raise ValueError(f"{name} 有 {img.width}×{img.height} 像素，超过 {MAX_SOURCE_PIXELS:,}：请先缩小它")
-        img.draft("RGB", (4096, 4096))  # JPEG 解码时就按 1/2、1/4、1/8 缩小（别的格式不变）
         return img.convert("RGB")
     except UnidentifiedImageError:
         raise ValueError(f"{name} 不是能识别的图像（支持 PNG、JPEG、WebP 等 Pillow 能读的格式）") from None
-    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{name} 太大（{e}）：请先缩小它（模型最多看 1600 万像素）") from None
+    except (OSError, SyntaxError) as e:
         raise ValueError(f"{name} 读不了（{e}）：文件可能被截断或损坏") from None
 
 

@@ -40,7 +40,7 @@ SHAPES = {
 }
 
 
-def jinja_render(messages, tools, thinking):
+def jinja_render(messages, tools, thinking, **more):
     """用 jinja2 渲染发布的模板，与 transformers 的 apply_chat_template 一样设置（tojson 不转义非 ASCII）。"""
     jinja2 = pytest.importorskip("jinja2")
     if not TEMPLATE.is_file():
@@ -49,7 +49,7 @@ def jinja_render(messages, tools, thinking):
     env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
     env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
     return env.from_string(TEMPLATE.read_text()).render(messages=messages, tools=tools, add_generation_prompt=True,
-                                                         enable_thinking=thinking)
+                                                         enable_thinking=thinking, **more)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -58,6 +58,30 @@ def jinja_render(messages, tools, thinking):
 def test_build_prompt_equals_the_released_template(shape, tools, thinking):
     messages = SHAPES[shape]
     assert build_prompt(messages, enable_thinking=thinking, tools=tools) == jinja_render(messages, tools, thinking)
+
+
+IMAGE_SHAPES = {
+    "one image": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "图里有什么？"}]}],
+    "two images, OpenAI parts": [{"role": "user", "content": [
+        {"type": "text", "text": "比较 "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": " 与 "}, {"type": "image", "image": "b.png"}]}],
+    "an image in a later turn": [
+        {"role": "system", "content": "你看图。"}, {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "这是？"}]},
+        {"role": "assistant", "content": "一只猫。"}, {"role": "user", "content": [{"type": "text", "text": "那这个呢？"},
+                                                                                 {"type": "image", "image": "b.png"}]}],
+}
+
+
+@pytest.mark.parametrize("shape", IMAGE_SHAPES)
+@pytest.mark.parametrize("vision_id", [False, True])
+def test_image_parts_render_as_the_released_template(shape, vision_id):
+    """图像分段（本库的 {"type": "image"} 与 OpenAI 的 image_url）照发布的模板写成 <|vision_start|><|image_pad|><|vision_end|>，
+    add_vision_id 时前面是 “Picture n: ”；images 按出现的顺序收下每个分段。"""
+    messages, images = IMAGE_SHAPES[shape], []
+    rendered = build_prompt(messages, add_vision_id=vision_id, images=images)
+    assert rendered == jinja_render(messages, None, False, add_vision_id=vision_id)
+    parts = [c for m in messages if isinstance(m["content"], list) for c in m["content"] if c["type"] != "text"]
+    assert images == parts and rendered.count("<|image_pad|>") == len(parts)
 
 
 @pytest.mark.parametrize("messages,error", [
@@ -69,10 +93,12 @@ def test_build_prompt_equals_the_released_template(shape, tools, thinking):
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{}"}]}],
      "arguments 应为 dict"),
     ([{"role": "user", "content": 42}], "content 应为字符串"),
-    ([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}], "content 应为字符串"),
+    ([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}], "传 images=\\[\\]"),  # 带图：要收下它们
+    ([{"role": "system", "content": [{"type": "image", "image": "x.png"}]}, {"role": "user", "content": "q"}], "系统消息不能带图"),
+    ([{"role": "user", "content": [{"type": "video", "video": "x.mp4"}]}], "不支持视频"),
     ([], "空"),
 ])
-def test_bad_messages(messages, error):
+def test_bad_messages(messages, error):  # 带图的消息给 images 列表时也一样：这些错误与图无关
     with pytest.raises(ValueError, match=error):
         build_prompt(messages)
 

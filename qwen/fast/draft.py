@@ -25,10 +25,10 @@ class FastMTP(MTP):
     draft_ids = None  # 起草词表（升序的 token id）；None：全词表
     draft_note = "全词表"
 
-    def forward(self, emb_next, hidden, start: int, state=None):
+    def forward(self, emb_next, hidden, start: int, state=None, shift: int = 0):
         B, T, _ = emb_next.shape
-        if self.step is None or state is None or B != 1 or T not in DECODE_LENGTHS or not 0 < state.length == start:
-            return super().forward(emb_next, hidden, start, state)
+        if self.step is None or state is None or B != 1 or T not in DECODE_LENGTHS or not 0 < state.length == start or shift:
+            return super().forward(emb_next, hidden, start, state, shift)  # 读过图之后（shift ≠ 0）不走图：只是草稿
         with cache_offsets([state], start, T) as pos:  # 按 [T, h] 重排成标准步长再进图：切片的步长各不相同，图会按步长特化
             out = self.step(emb_next.reshape(T, -1)[None], hidden.reshape(T, -1)[None], pos, state)
         return out

@@ -20,21 +20,21 @@ from .linear import BlockedLinear
 class PaddedRows:
     """混进 PackedModel（分块的 FastModel 是它的子类）：状态是左填充的（state.valid 不是 None）时走这里，其余照第 10 章。"""
 
-    def hidden(self, ids, state=None):
+    def hidden(self, ids, state=None, images=None):
         if state is None or state.valid is None:
-            return super().hidden(ids, state)
-        return padded_hidden(self, ids, state)
+            return super().hidden(ids, state, images)
+        return padded_hidden(self, ids, state, images)
 
-    def forward(self, ids, state=None, last: bool = False):
+    def forward(self, ids, state=None, last: bool = False, images=None):
         if state is None or state.valid is None:
-            return super().forward(ids, state, last)
-        h = padded_hidden(self, ids, state)
+            return super().forward(ids, state, last, images)
+        h = padded_hidden(self, ids, state, images)
         return head_rows(self.lm_head, h[:, -1:] if last else h)
 
 
-def padded_hidden(model, ids, state) -> torch.Tensor:
+def padded_hidden(model, ids, state, images=None) -> torch.Tensor:
     """ids [B, T]（左填充）→ 最后一次 norm 之后的隐藏状态 [B, T, hidden]：每行的真实 token 照它单独运行那样算，
-    填充的位置是 0（没有人读它们）。"""
+    填充的位置是 0（没有人读它们）。images：每行的图（第 15 章的 Images 或 None）。"""
     ids = model.check_ids(ids, state)
     B, T = ids.shape
     if getattr(state, "rows", None) is None:
@@ -44,7 +44,8 @@ def padded_hidden(model, ids, state) -> torch.Tensor:
     todo = [(b, ids[b : b + 1, T - int(n) :]) for b, n in enumerate(real.sum(1).tolist()) if n]
     if not todo:
         raise ValueError("左填充的 valid 里这几个位置全是填充：每个提示词至少要有一个真实 token")
-    outs = hidden_many(model, [(x, state.rows[b]) for b, x in todo])
+    images = list(images) if images is not None else [None] * B
+    outs = hidden_many(model, [(x, state.rows[b], images[b]) for b, x in todo])
     h = outs[0].new_zeros(B, T, outs[0].shape[-1])
     for (b, x), out in zip(todo, outs):
         h[b, T - x.shape[1] :] = out[0]
@@ -52,17 +53,17 @@ def padded_hidden(model, ids, state) -> torch.Tensor:
 
 
 def hidden_many(model, rows) -> list[torch.Tensor]:
-    """rows：[(ids [1, T_i], State)] → 各自的 hidden [1, T_i, hidden]，与 model.hidden(ids, state) 逐位相同。
-    能拼的几行（分块布局、不编译图、一层拼得下）的全部层一次算完；其余一行一行地调用 model.hidden。"""
+    """rows：[(ids [1, T_i], State, 图或 None)] → 各自的 hidden [1, T_i, hidden]，与 model.hidden(ids, state, 图) 逐位相同。
+    能拼的几行（分块布局、不编译图、一层拼得下、没有图）的全部层一次算完；其余一行一行地调用 model.hidden。"""
     can_join = hasattr(model, "layers_many") and not model.step_lengths
     joined, out = [], [None] * len(rows)
-    for i, (ids, state) in enumerate(rows):
+    for i, (ids, state, images) in enumerate(rows):
         x = model.embed_tokens(ids)  # [1, T_i, hidden]，权重的 dtype（同第 10 章的 hidden）
-        if can_join and model.layers[0].can_share(x, state, None):
-            cos, sin = model.rope(torch.arange(state.pos, state.pos + ids.shape[1], device=ids.device))
+        if can_join and images is None and model.layers[0].can_share(x, state, None):
+            cos, sin = model.rope(model.positions(ids.shape[1], state, ids.device))
             joined.append((i, (x.float(), cos, sin, state), x.dtype))
         else:
-            out[i] = model.hidden(ids, state)
+            out[i] = model.hidden(ids, state, images)
     if joined:
         xs = model.layers_many([part for _, part, _ in joined])
         for (i, (_, _, _, state), dtype), x in zip(joined, xs):

@@ -72,9 +72,10 @@ class FastModel(PackedModel):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.step = torch.compile(self.decode_step, dynamic=False, options=STEP_OPTIONS)
 
-    def decode_step(self, x, pos, states):
-        """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos 是 0 维张量，states 是各层的状态。"""
-        cos, sin = rope_tables(self.cfg, pos + torch.arange(x.shape[1], device=x.device))
+    def decode_step(self, x, pos, states, shift):
+        """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos、shift 是 0 维张量（RoPE 位置从 pos + shift 起，第 15 章），
+        states 是各层的状态。"""
+        cos, sin = rope_tables(self.cfg, pos + shift + torch.arange(x.shape[1], device=x.device))
         for layer, s in zip(self.layers, states):
             if isinstance(s, AttentionState):  # 注意力层直接追踪进图（自定义算子就地写缓存，不能放进可复用的区域）
                 x = DecoderLayer.forward(layer, x, cos, sin, s)
@@ -97,14 +98,15 @@ class FastModel(PackedModel):
             xs = layer.forward_many([(x, cos, sin, state.layers[i]) for x, (_, cos, sin, state) in zip(xs, parts)])
         return xs
 
-    def hidden(self, ids, state=None):
+    def hidden(self, ids, state=None, images=None):
         ids = self.check_ids(ids, state)
         B, T = ids.shape
-        if T not in self.step_lengths or state is None or B != 1 or state.valid is not None or state.pos == 0:
-            return super().hidden(ids, state)
+        if T not in self.step_lengths or state is None or B != 1 or state.valid is not None or state.pos == 0 \
+                or images is not None:
+            return super().hidden(ids, state, images)
         attention = [s for s in state.layers if isinstance(s, AttentionState)]
         x = self.embed_tokens(ids)  # [1, T, hidden]
         with cache_offsets(attention, state.pos, T) as pos:
-            h = self.step(x.float(), pos, state.layers)
+            h = self.step(x.float(), pos, state.layers, torch.tensor(state.shift))
         state.pos += T
         return h.to(x.dtype)

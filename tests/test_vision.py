@@ -1,0 +1,171 @@
+"""第 15 章：视觉塔与带图的提示词——像素、塔的输出、logits、贪心续写与 transformers 对照；投机解码与批处理逐位不变；坏输入。"""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoints import make_vision_checkpoint
+from qwen import Model, State, generate, generate_batch, generate_mtp
+from qwen.vision import VisionConfig, VisionTower, prepare
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """(路径, transformers 的 Qwen3_5ForConditionalGeneration)：发布布局，视觉塔是 0.8B 的宽度、2 个块。"""
+    return make_vision_checkpoint(tmp_path_factory.mktemp("vision"), seed=7, out_scale=1.0)
+
+
+@pytest.fixture(scope="module")
+def tower(vision):
+    return VisionTower.from_pretrained(vision[0])
+
+
+def picture(h, w, seed=0):
+    return PIL.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def reference(vision, images):
+    """transformers 的 PIL 图像处理器（按检查点的 preprocessor_config.json）→ pixel_values、image_grid_thw。"""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = json.loads((vision[0] / "preprocessor_config.json").read_text())
+    return Qwen2VLImageProcessorPil(**config)(images=images, return_tensors="pt")
+
+
+def prompt_ids(cfg, pieces):
+    """pieces：整数（文字 token）或 "image"（一个占位 <|image_pad|>，两边是 vision_start / vision_end）→ [1, T]。"""
+    ids = []
+    for p in pieces:
+        ids += [cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id] if p == "image" else [p]
+    return torch.tensor([ids])
+
+
+@pytest.mark.parametrize("size", [(300, 300), (257, 513), (20, 30), (4200, 4100)],
+                         ids=["square", "non-square", "tiny (below the minimum)", "huge (above the maximum)"])
+def test_pixels_equal_transformers(vision, size):
+    img = picture(*size)
+    ours, grid = prepare(img, VisionConfig.from_checkpoint(vision[0]))
+    ref = reference(vision, [img])
+    assert [list(grid)] == ref["image_grid_thw"].tolist()
+    assert torch.equal(ours, ref["pixel_values"])
+
+
+@pytest.mark.parametrize("layout", ["one image", "two images in one message", "an image in a later turn"])
+def test_logits_match_transformers(vision, tower, layout):
+    """塔的输出与 logits 在参考实现自己的 float32 误差之内；后来的一轮带图：接着状态喂，位置从 max + 1 接着数。"""
+    path, hf = vision
+    model = Model.from_pretrained(path)
+    cfg = tower.cfg
+    imgs = [picture(64, 96, 1)] if layout == "one image" else [picture(64, 96, 1), picture(120, 90, 2)]
+    text = {"one image": [10, "image", 11, 12],
+            "two images in one message": [10, "image", 11, "image", 12, 13],
+            "an image in a later turn": [10, "image", 11, 12, 13, 14, "image", 15, 16]}[layout]
+    images = tower.encode(imgs)
+    ids = images.expand(prompt_ids(cfg, text))
+    ref = reference(vision, imgs)
+    with torch.no_grad():
+        feats = hf.model.visual(ref["pixel_values"], ref["image_grid_thw"]).pooler_output
+        want = hf(input_ids=ids, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                  mm_token_type_ids=(ids == cfg.image_token_id).int()).logits
+    assert (images.embeds - feats).abs().max() <= 1e-5 * feats.abs().max()
+    if layout != "an image in a later turn":
+        got = model(ids, images=images)
+    else:  # 第一轮读到第一张图之后几个 token，第二轮带着第二张图接着读
+        cut = int((ids[0] == 13).nonzero()[0])  # 第一张图之后的 11、12 读进第一轮
+        first, second = tower.encode(imgs[:1]), tower.encode(imgs[1:])
+        state = State(model)
+        got = torch.cat([model(ids[:, :cut], state, images=first), model(ids[:, cut:], state, images=second)], 1)
+        _, delta = hf.model.get_rope_index(ids, (ids == cfg.image_token_id).int(), ref["image_grid_thw"])
+        assert state.shift == int(delta) < 0  # 图之后的文字：位置 = 读过的 token 数 + shift（transformers 的 rope_deltas）
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_greedy_after_an_image_equals_transformers_generate(vision, tower):
+    path, hf = vision
+    model = Model.from_pretrained(path)
+    img = picture(80, 64, 3)
+    images = tower.encode([img])
+    ids = images.expand(prompt_ids(tower.cfg, [20, 21, "image", 22, 23]))
+    ref = reference(vision, [img])
+    want = hf.generate(input_ids=ids, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                       mm_token_type_ids=(ids == tower.cfg.image_token_id).int(), max_new_tokens=16, do_sample=False)
+    got = generate(model, ids, 16, images=images)
+    assert got == want[0, ids.shape[1]:].tolist()
+    assert len(set(got)) > 3  # 续写不是一个 token 的重复：比的是真的生成
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "int4"], ids=["bf16", "int8", "int4"])
+def test_speculative_equals_plain_with_an_image(vision, fmt):
+    """快路径（bf16 / int8 / int4）上带图的提示词：投机解码与逐个解码逐 token 相同，结束时的状态位置也相同。"""
+    from qwen.fast import load
+
+    model, mtp = load(vision[0], quantize=fmt, dtype=torch.bfloat16)
+    tower = VisionTower.from_pretrained(vision[0], dtype=torch.bfloat16)
+    images = tower.encode([picture(64, 64, 4)])
+    ids = images.expand(prompt_ids(tower.cfg, [30, "image", 31, 32]))
+    plain = generate(model, ids, 24, images=images)
+    for k in (1, 3):
+        spec, rounds, hits = generate_mtp(model, mtp, ids, 24, draft_tokens=k, images=images)
+        assert spec == plain, (k, rounds, hits)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "blocked"])
+def test_a_batch_row_with_an_image_equals_its_single_run(vision, tower, fast):
+    from qwen.fast import load_model
+
+    model = load_model(vision[0], dtype=torch.float32) if fast else Model.from_pretrained(vision[0])
+    images = tower.encode([picture(64, 96, 5)])
+    with_image = images.expand(prompt_ids(tower.cfg, [40, "image", 41]))[0]
+    text = torch.tensor([42, 43, 44])
+    rows = generate_batch(model, [with_image, text], 10, images=[images, None])
+    alone = [generate(model, with_image[None], 10, images=images), generate(model, text[None], 10)]
+    if fast:  # 快路径：每行与单独运行逐位相同
+        assert rows == alone
+    else:  # 普通模型：左填充只差舍入；这几个 token 上相同
+        assert rows[0][:4] == alone[0][:4] and rows[1][:4] == alone[1][:4]
+
+
+def png_bytes(img) -> bytes:
+    out = io.BytesIO()
+    img.save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("source,error", [
+    (b"not an image at all", "不是能识别的图像"),
+    (png_bytes(picture(64, 64))[:200], "读不了"),  # 截断的 PNG
+    (b"<svg xmlns='http://www.w3.org/2000/svg'/>", "不是能识别的图像"),  # Pillow 不认的格式
+    (png_bytes(picture(2, 500)), "长宽比"),
+    ("/no/such/file.png", "不存在"),
+    (12345, "应是文件路径"),
+], ids=["not an image", "truncated PNG", "unsupported format", "aspect over 200:1", "missing file", "wrong type"])
+def test_bad_images_are_clear_errors(tower, source, error):
+    with pytest.raises(ValueError, match=error):
+        tower.encode([source])
+
+
+def test_a_one_pixel_image_is_scaled_up_like_transformers(vision, tower):
+    img = picture(1, 1)
+    assert prepare(img, tower.cfg)[1] == (1, 16, 16) == tuple(reference(vision, [img])["image_grid_thw"][0].tolist())
+
+
+def test_image_tokens_must_match_the_images(vision, tower):
+    model = Model.from_pretrained(vision[0])
+    images = tower.encode([picture(64, 64)])
+    ids = prompt_ids(tower.cfg, [1, "image", 2])
+    with pytest.raises(ValueError, match="请用 Images.expand"):
+        model(ids, images=images)  # 占位没有展开
+    with pytest.raises(ValueError, match="却给了 1 张图"):
+        images.expand(prompt_ids(tower.cfg, [1, "image", "image"]))
+
+
+@pytest.mark.parametrize("which", ["demo", "no tower tensors"])
+def test_a_checkpoint_without_a_tower_says_so(tiny, which):
+    """demo 没有 vision_config；tiny 有 vision_config、张量却对不上（不是视觉塔）：都说清楚它不能看图。"""
+    with pytest.raises(ValueError, match="不能看图|视觉塔"):
+        VisionTower.from_pretrained("demo" if which == "demo" else tiny[0])
