@@ -72,6 +72,8 @@ def chat_arguments(sub) -> None:
                        help="与模型对话（默认的子命令：python -m qwen \"你好\"）")
     p.add_argument("prompt", nargs="?", help="一句话；省略时进入交互式多轮对话")
     p.add_argument("--system", default=None, help="系统提示词")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="随提示词一起看的图（PNG、JPEG、WebP；可以重复）；交互式对话里用 /image PATH")
     p.add_argument("--max-new-tokens", type=number(int, 1), default=512)
     p.add_argument("--temperature", type=setting("temperature"), default=None,
                    help="0 为贪心（默认取检查点 generation_config.json 的设置）")
@@ -141,6 +143,8 @@ def serve_options(sub) -> None:
     p.add_argument("--slots", type=number(int, 1), default=8, help="同时生成的请求数，多出来的排队")
     p.add_argument("--cache-mb", type=number(int, 0), default=512, help="留下的对话状态至多占多少 MB")
     p.add_argument("--max-tokens", type=number(int, 1), default=4096, help="一个请求的 max_tokens 上限")
+    p.add_argument("--max-body-mb", type=number(float, 0, low_open=True), default=20,  # 同 serve/api.py 的 MAX_BODY
+                   help="请求体至多多少 MB（带图的请求是 base64 的 data: URL，一张手机照片几 MB；超过回 413）")
     p.add_argument("--no-mtp", action="store_true", help="不用草稿头")
     p.set_defaults(run=serve_main)
 
@@ -184,7 +188,8 @@ def serve_main(args) -> None:
         return Engine(model, mtp, slots=args.slots, cache_mb=args.cache_mb)
 
     serve(start, args.served_model_name or model_name(path), args.host, args.port, args.api_key,
-          max_tokens=args.max_tokens, allow_hosts=args.allow_host, allow_origins=args.allow_origin)
+          max_tokens=args.max_tokens, allow_hosts=args.allow_host, allow_origins=args.allow_origin,
+          max_body=int(args.max_body_mb * 2**20))
 
 
 def model_name(path) -> str:
@@ -233,17 +238,26 @@ def chat_main(args) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     try:
         if args.prompt is not None:
-            answer(conversation, messages + [{"role": "user", "content": args.prompt}], args)
+            answer(conversation, messages + [user_message(args.prompt, args.image)], args)
             return
+        if args.image:
+            sys.exit("错误：--image 要与提示词一起给（python -m qwen \"图里有什么？\" --image a.png）；交互式对话里用 /image PATH")
         talk(conversation, messages, args)
     except ValueError as e:
         sys.exit(f"错误：{e}")
 
 
+def user_message(text: str, images) -> dict:
+    """一条用户消息：有图时是分段的列表，图在文字之前（第 13 章的 build_prompt 照发布的模板写出它们）。"""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [*({"type": "image", "image": path} for path in images), {"type": "text", "text": text}]}
+
+
 def talk(conversation, messages, args) -> None:
-    """交互式的多轮对话：空行或 Ctrl-D 退出，/reset 清空历史。"""
-    print("多轮对话：输入内容后回车；空行或 Ctrl-D 退出，/reset 清空历史。", file=sys.stderr)
-    system = messages[:1]
+    """交互式的多轮对话：空行或 Ctrl-D 退出，/reset 清空历史，/image PATH 让下一句话带上这张图。"""
+    print("多轮对话：输入内容后回车；空行或 Ctrl-D 退出，/reset 清空历史，/image PATH 给下一句话附一张图。", file=sys.stderr)
+    system, images = messages[:1], []
     while True:
         try:
             text = input("你：").strip()
@@ -252,12 +266,25 @@ def talk(conversation, messages, args) -> None:
         if not text:
             break
         if text == "/reset":
-            messages = list(system)
+            messages, images = list(system), []
             conversation.reset()
             continue
-        messages.append({"role": "user", "content": text})
+        if text.startswith("/image"):
+            path = text[len("/image"):].strip()
+            if not path or not os.path.isfile(os.path.expanduser(path)):
+                print(f"（没有这个文件：{path!r}；用法：/image PATH）", file=sys.stderr)
+            else:
+                images.append(os.path.expanduser(path))
+                print(f"（下一句话带上 {len(images)} 张图）", file=sys.stderr)
+            continue
+        messages.append(user_message(text, images))
         print("Qwen：", end="", flush=True)
-        messages.append({"role": "assistant", "content": answer(conversation, messages, args)})
+        try:
+            messages.append({"role": "assistant", "content": answer(conversation, messages, args)})
+        except ValueError as e:  # 图读不了、检查点不能看图：说清楚，这一句作废，对话继续
+            print(f"\n（{e}）", file=sys.stderr)
+            messages.pop()
+        images = []
 
 
 if __name__ == "__main__":

@@ -31,13 +31,12 @@ def text_of(content, i: int, images: list | None = None, add_vision_id: bool = F
         kind = next((k for k in ("image", "image_url", "text") if isinstance(c, dict) and (k in c or c.get("type") == k)), None)
         if kind == "text" and isinstance(c.get("text"), str):
             out += c["text"]
-        elif kind and kind != "text":  # 图：系统消息的 images 是 None
-            if images is None:
-                raise ValueError(f"第 {i} 条消息里有图：系统消息不能带图；别的消息带图时传 images=[] 收下它们，交给第 15 章的视觉塔")
+        elif kind and kind != "text" and images is not None:
             images.append(c)
             out += f"Picture {len(images)}: " * add_vision_id + IMAGE
-        else:  # 视频、别的
-            raise ValueError(f"第 {i} 条消息的 content 应为字符串或文字、图像分段的列表（还不支持视频），收到 {str(c)[:60]}")
+        else:  # 系统消息里的图、没有 images 收下的图、视频、别的
+            why = "系统消息不能带图；别的消息带图时传 images=[] 收下它们，交给第 15 章的视觉塔" if kind not in (None, "text") else "还不支持视频"
+            raise ValueError(f"第 {i} 条消息的 content 应为字符串或文字、图像分段的列表（{why}），收到 {str(c)[:60]}")
     return out.strip()
 
 
@@ -137,7 +136,8 @@ class Chat:
         """对话消息 → 提示词文字：有模板时用 build_prompt（图记进 images），否则把各条消息的内容原样接起来。"""
         if self.templated:
             return build_prompt(messages, enable_thinking, tools, images=images)
-        return "".join(m["content"] for m in messages if m.get("role") != "system")
+        return "".join(m["content"] if isinstance(m["content"], str) else text_of(m["content"], i, images)
+                       for i, m in enumerate(messages) if m.get("role") != "system")
 
     def encode(self, text: str) -> torch.Tensor:
         """文字 → [1, T] 的 id 张量（特殊记号如 <|im_start|> 按一个 token 识别）。"""

@@ -13,7 +13,7 @@
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from .chat import build_prompt
 from .fast import load_draft
 from .mtp import Drafter, SpecResult, stream_mtp
 from .sample import Sampling, stream
+from .vision import VisionTower
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty")  # 检查点能推荐的几项
 
@@ -55,6 +56,12 @@ class Resume:
     tokens: list
     state: State
     drafter: Drafter | None = None
+    images: list = field(default_factory=list)  # 读过的图的内容摘要（按顺序）：token 相同、图不同时不能接着用
+
+    def same_images(self, images, tokens) -> bool:
+        """tokens（展开过的提示词，前面与 self.tokens 相同）里、self.tokens 那一段的图是不是读过的那几张。"""
+        part = images.part(tokens, 0, len(self.tokens)) if images is not None else None
+        return (part.digests if part else []) == self.images
 
     @classmethod
     def start(cls, model) -> "Resume":
@@ -64,39 +71,46 @@ class Resume:
         """生成时状态就地往前走：留着的那份先复制一份再用。"""
         d = self.drafter
         return Resume(list(self.tokens), copy_state(self.state),
-                      d and Drafter(copy_state(d.cache), d.hidden, d.tokens, d.start))
+                      d and Drafter(copy_state(d.cache), d.hidden, d.tokens, d.start, d.shift), list(self.images))
 
-    def feed(self, model, mtp, tokens: list) -> "Resume":
-        """接着读 tokens（就地往前走）：主模型读；有草稿头时它顺手读这一段的 (h_t, e_{t+1}) 对（最后一对等下一个 token）。"""
+    def feed(self, model, mtp, tokens: list, images=None) -> "Resume":
+        """接着读 tokens（就地往前走）：主模型读；有草稿头时它顺手读这一段的 (h_t, e_{t+1}) 对（最后一对等下一个 token）。
+        images：这一段里的图（第 15 章的 Images，整张地在这一段里）。"""
         ids = torch.tensor([tokens])
-        h = model.hidden(ids, self.state)  # [1, n, h]
+        h = model.hidden(ids, self.state, images)  # [1, n, h]
         if mtp is not None:
             d = self.drafter or Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
             pairs_h = torch.cat([d.hidden, h[:, :-1]], 1)  # 从头读：第一对是 (h_0, e_1)；接着读：上次最后一个位置的 h
             pairs_e = torch.cat([d.tokens, ids if self.drafter else ids[:, 1:]], 1)
             if pairs_e.shape[1]:
-                mtp(model.embed_tokens(pairs_e), pairs_h, d.start, d.cache)
-            self.drafter = Drafter(d.cache, h[:, -1:], ids[:, :0], d.start + pairs_e.shape[1])
+                mtp(model.embed_tokens(pairs_e), pairs_h, d.start, d.cache, self.state.shift)
+            self.drafter = Drafter(d.cache, h[:, -1:], ids[:, :0], d.start + pairs_e.shape[1], self.state.shift)
         self.tokens = self.tokens + list(tokens)
+        self.images = self.images + (images.digests if images is not None else [])
         return self
 
-    def generate(self, model, mtp, tokens: list, max_new_tokens: int, stop, sampling: Sampling, result=None, **more):
-        """读新来的 tokens 并生成（就地往前走）：有草稿头时投机解码（第 14 章），否则普通解码（第 12 章）→ token 的迭代器。"""
+    def generate(self, model, mtp, tokens: list, max_new_tokens: int, stop, sampling: Sampling, result=None, images=None,
+                 **more):
+        """读新来的 tokens（images：其中的图）并生成（就地往前走）：有草稿头时投机解码（第 14 章），否则普通解码（第 12 章）
+        → token 的迭代器。"""
         history = self.tokens
         if mtp is None:
-            return stream(model, [tokens], max_new_tokens, stop, sampling, state=self.state, history=history)
+            return stream(model, [tokens], max_new_tokens, stop, sampling, state=self.state, history=history, images=images)
         rounds = stream_mtp(model, mtp, [tokens], max_new_tokens, stop, sampling, result=result, state=self.state,
-                            drafter=self.drafter, history=history, **more)
+                            drafter=self.drafter, history=history, images=images, **more)
         return (t for emitted in rounds for t in emitted)
 
 
-def cut_point(chat, messages, tools, tokens) -> int | None:
-    """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板或没有用户消息时 None（不复用）。"""
+def cut_point(chat, messages, tools, tokens, images=None) -> int | None:
+    """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板或没有用户消息时 None（不复用）。
+    images：tokens 里的图（占位已展开）：前缀里的每个占位也按它的图展开。"""
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
     if not chat.templated or not users:
         return None
     last = users[-1]
-    prefix = chat.encode(build_prompt(messages[: last + 1], tools=tools, add_generation_prompt=False))[0].tolist()
+    prefix = chat.encode(build_prompt(messages[: last + 1], tools=tools, add_generation_prompt=False, images=[]))[0].tolist()
+    if images is not None:
+        prefix = images.expand(torch.tensor([prefix]), prefix=True)[0].tolist()
     return len(prefix) if tokens[: len(prefix)] == prefix else None
 
 
@@ -114,6 +128,7 @@ class Conversation:
         self.fed = 0  # 上一轮主模型实际读了提示词的几个 token
         self.stats = None  # 上一轮：dict(tokens, seconds, drafted, hits)
         self.busy = threading.Lock()  # 一个回答在生成时拿着：同一个对话不能同时生成两个回答
+        self.tower = None  # 视觉塔（第 15 章）：第一次有图时才读
 
     def reset(self) -> None:
         """丢掉留下的状态：下一轮从头读。"""
@@ -138,19 +153,19 @@ class Conversation:
     def answer(self, messages, enable_thinking, max_new_tokens, tools, sampling, settings):
         s = self.sampling(sampling, settings)
         Sampling.check("max_new_tokens", max_new_tokens)
-        chat, model = self.chat, self.model
-        tokens = chat.encode(chat.prompt(messages, enable_thinking, tools))[0].tolist()
-        cut = cut_point(chat, messages, tools, tokens)
-        t0 = time.perf_counter()
+        chat, model, t0 = self.chat, self.model, time.perf_counter()
+        tokens, images = self.encode(messages, enable_thinking, tools)
+        cut = cut_point(chat, messages, tools, tokens, images)
         with torch.inference_mode():  # 只包住这一段：生成器在 yield 之间不替调用方开着 inference_mode
-            resume = self.resume(tokens, cut)
+            resume = self.resume(tokens, cut, images)
             start = len(resume.tokens)
             if cut is not None and cut > start:  # 读到最后一个用户问题的末尾，留下一份
-                self.saved = resume.feed(model, self.mtp, tokens[start:cut]).copy()
+                self.saved = resume.feed(model, self.mtp, tokens[start:cut], images and images.part(tokens, start, cut)).copy()
         begin = len(resume.tokens)
         self.fed = len(tokens) - start
         r = SpecResult() if self.mtp is not None else None  # stream_mtp、stream 每产出一步前自己进入 inference_mode
-        out = resume.generate(model, self.mtp, tokens[begin:], max_new_tokens, chat.stop, s, result=r)
+        out = resume.generate(model, self.mtp, tokens[begin:], max_new_tokens, chat.stop, s, result=r,
+                              images=images and images.part(tokens, begin, len(tokens)))
         counted = []
 
         def counting(tokens):
@@ -162,10 +177,21 @@ class Conversation:
         self.stats = dict(tokens=len(counted), seconds=time.perf_counter() - t0,  # drafted、hits：用了草稿头时才有
                           drafted=r.drafted if r else None, hits=r.hits if r else None)
 
-    def resume(self, tokens, cut) -> Resume:
-        """从留下的那份接着（token 对得上时，复制一份），否则从头。"""
+    def encode(self, messages, enable_thinking, tools):
+        """消息 → (提示词的 token 列表, 其中的图)：有图时视觉塔（第一次用时读，与模型同一个 dtype）看图，占位按图展开。"""
+        parts = []
+        ids = self.chat.encode(self.chat.prompt(messages, enable_thinking, tools, images=parts))
+        if not parts:
+            return ids[0].tolist(), None
+        with torch.inference_mode():
+            self.tower = self.tower or VisionTower.from_pretrained(self.chat.path, dtype=self.model.dtype)
+            images = self.tower.encode(parts)
+        return images.expand(ids)[0].tolist(), images
+
+    def resume(self, tokens, cut, images=None) -> Resume:
+        """从留下的那份接着（token 对得上、读过的图也是这几张时，复制一份），否则从头。"""
         if self.saved is not None and cut is not None:
             kept = self.saved.tokens
-            if len(kept) <= cut and tokens[: len(kept)] == kept:
+            if len(kept) <= cut and tokens[: len(kept)] == kept and self.saved.same_images(images, tokens):
                 return self.saved.copy()
         return Resume.start(self.model)

@@ -16,6 +16,7 @@ Qwen3.5 的每个检查点都是多模态的，0.8B 也一样：`model.visual.*`
 M-RoPE）；Dosovitskiy 等，“An Image is Worth 16x16 Words”（ViT，2021）；transformers 的 qwen3_5 与 qwen2_vl 图像处理器。
 """
 
+import base64
 import hashlib
 import io
 import json
@@ -30,6 +31,10 @@ from torch import nn
 from .model import load_pretrained
 from .rope import rotate_half
 from .weights import find_model
+
+class TooManyImageTokens(ValueError):
+    """图像的 token 放不进上下文（服务回 context_length_exceeded）。"""
+
 
 @dataclass
 class VisionConfig:
@@ -71,6 +76,24 @@ class VisionConfig:
                       "min_pixels": (p.get("size") or {}).get("shortest_edge", cls.min_pixels),
                       "max_pixels": (p.get("size") or {}).get("longest_edge", cls.max_pixels)})
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def source_of(part):
+    """消息里的一个图像分段（第 13 章的 build_prompt 收下的）→ 图的来源：{"image": 路径、bytes 或 PIL 图像}，或 OpenAI 的
+    {"image_url": {"url": …}}：data: URL 解出 bytes；http(s) 不替你下载（本地的服务不替客户端上网）。"""
+    src = part.get("image", part.get("image_url"))
+    src = src.get("url") if isinstance(src, dict) else src
+    if isinstance(src, str) and src.startswith(("http://", "https://")):
+        raise ValueError("不会替你下载远程图像：请把图编成 data: URL（data:image/png;base64,…）发来，或给本地文件的路径")
+    if isinstance(src, str) and src.startswith("data:"):
+        head, _, data = src.partition(",")
+        if not head.endswith(";base64"):
+            raise ValueError(f"data: URL 应是 base64 编码的图像（data:image/png;base64,…），收到 {head[:40]!r}")
+        try:
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ValueError("data: URL 里的 base64 不合法：请重新编码这张图") from None
+    return src[len("file://"):] if isinstance(src, str) and src.startswith("file://") else src
 
 
 def open_image(src):
@@ -200,9 +223,14 @@ class VisionTower(nn.Module):
         x = self.merger.norm(x).view(-1, self.merger.linear_fc1.in_features)  # [N/4, 3072]：相邻的 4 块是一个 2×2
         return self.merger.linear_fc2(F.gelu(self.merger.linear_fc1(x)))  # [N/4, out_hidden_size]
 
-    def encode(self, sources) -> "Images":
-        """几张图（路径、bytes 或 PIL 图像）→ Images：塔的输出、各自的网格与内容的摘要。"""
-        prepared = [prepare(open_image(s), self.cfg) for s in sources]
+    def encode(self, sources, most: int | None = None) -> "Images":
+        """几张图（路径、bytes、PIL 图像，或消息里的图像分段）→ Images：塔的输出、各自的网格与内容的摘要。
+        most：至多几个图像 token（上下文还剩的）；多了在算塔之前就是 TooManyImageTokens。"""
+        prepared = [prepare(open_image(source_of(s) if isinstance(s, dict) else s), self.cfg) for s in sources]
+        n = sum(t * h * w for _, (t, h, w) in prepared) // self.cfg.spatial_merge_size**2
+        if most is not None and n > most:
+            raise TooManyImageTokens(f"{len(prepared)} 张图一共 {n} 个 token，超过上下文还剩的 {max(most, 0)} 个：请少发几张图、"
+                                     "把图缩小，或缩短对话")
         with torch.inference_mode():
             embeds = self(torch.cat([p for p, _ in prepared]), [g for _, g in prepared])
         digests = [hashlib.sha256(p.numpy().tobytes()).hexdigest()[:16] for p, _ in prepared]
@@ -227,16 +255,27 @@ class Images:
     def counts(self) -> list[int]:  # 每张图占几个 token：网格 / (2×2)
         return [t * h * w // self.cfg.spatial_merge_size**2 for t, h, w in self.grids]
 
-    def expand(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [1, T]：每张图的一个 <|image_pad|> 展开成它的 token 数个（transformers 的处理器在文字上做同样的事）。"""
+    def expand(self, ids: torch.Tensor, prefix: bool = False) -> torch.Tensor:
+        """ids [1, T]：每张图的一个 <|image_pad|> 展开成它的 token 数个（transformers 的处理器在文字上做同样的事）。
+        prefix=True：ids 是提示词的前一段，只有前几张图的占位。"""
         pads = (ids[0] == self.cfg.image_token_id).nonzero()[:, 0].tolist()
-        if len(pads) != len(self.grids):
+        if len(pads) > len(self.grids) or len(pads) < len(self.grids) and not prefix:
             raise ValueError(f"提示词里有 {len(pads)} 个图像占位 <|image_pad|>，却给了 {len(self.grids)} 张图")
         parts, last = [], 0
         for i, n in zip(pads, self.counts()):
             parts += [ids[0, last:i], ids.new_full((n,), self.cfg.image_token_id)]
             last = i + 1
         return torch.cat(parts + [ids[0, last:]])[None]
+
+    def part(self, ids: list, a: int, b: int) -> "Images | None":
+        """展开过的 ids 里 [a, b) 这一段的图（一张图的 token 总在同一段里）；这一段没有图时 None。"""
+        pad = self.cfg.image_token_id
+        k0, k = ids[:a].count(pad), ids[a:b].count(pad)  # 这段之前、之内各有几个图像 token
+        ends = torch.tensor(self.counts()).cumsum(0).tolist()
+        i, j = sum(e <= k0 for e in ends), sum(e <= k0 + k for e in ends)  # 这段里的是第 i 到 j − 1 张
+        if k == 0:
+            return None
+        return Images(self.embeds[k0 : k0 + k], self.grids[i:j], self.cfg, self.digests[i:j])
 
     def place(self, x: torch.Tensor, ids: torch.Tensor, start: int):
         """一行 ids [T] 与它的嵌入 x [T, h]：图像 token 的向量换成塔的输出 → (x, 三维位置 [3, T])；文字的三个分量相同。"""

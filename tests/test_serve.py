@@ -374,7 +374,7 @@ BAD = [
     ({"messages": [{"role": "user"}]}, 400, "content"),
     ({"messages": [{"role": "user", "content": None}]}, 400, "content"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "图像"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "data: URL"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "name"),
     ({"messages": HI, "n": 2}, 400, "n 只支持 1"),
     ({"messages": HI, "max_tokens": -3}, 400, "max_tokens"),
@@ -524,8 +524,8 @@ def test_limits_and_api_key(served, monkeypatch):
     from qwen.__main__ import serve_arguments
     from qwen.serve.api import Server
 
-    _, engine, _, url = served
-    big = {"model": NAME, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    _, engine, server, url = served
+    big = {"model": NAME, "messages": [{"role": "user", "content": "x" * server.max_body}]}
     assert post(url + "/v1/chat/completions", big)[0] == 413
     locked = Server(NAME, api_key="sekret", max_tokens=8)
     locked.ready(engine)

@@ -169,3 +169,29 @@ def test_a_checkpoint_without_a_tower_says_so(tiny, which):
     """demo 没有 vision_config；tiny 有 vision_config、张量却对不上（不是视觉塔）：都说清楚它不能看图。"""
     with pytest.raises(ValueError, match="不能看图|视觉塔"):
         VisionTower.from_pretrained("demo" if which == "demo" else tiny[0])
+
+
+def test_a_conversation_reuses_a_state_only_with_the_same_images(vision):
+    """多轮对话：第二轮不重读第一轮的图；同样的文字、同样大小的另一张图（token 完全相同）从头读。输出都与从头读相同。"""
+    from qwen import Chat, Conversation
+    from qwen.fast import load
+
+    model, mtp = load(vision[0], dtype=torch.float32)
+    chat = Chat(model)
+
+    def turn(img):
+        return [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "你好"}]}]
+
+    def fresh(messages):
+        return "".join(Conversation(chat, mtp).reply(messages, max_new_tokens=6, temperature=0))
+
+    conv = Conversation(chat, mtp)
+    first = "".join(conv.reply(turn(png_bytes(picture(64, 64, 8))), max_new_tokens=6, temperature=0))
+    later = turn(png_bytes(picture(64, 64, 8))) + [{"role": "assistant", "content": first}, {"role": "user", "content": "再见"}]
+    total = len(conv.encode(later, False, None)[0])
+    assert "".join(conv.reply(later, max_new_tokens=6, temperature=0)) == fresh(later)
+    assert conv.fed < total - 64  # 第一轮的图（64 个 token）没有重读
+    other = turn(png_bytes(picture(64, 64, 9))) + later[1:]
+    assert conv.encode(other, False, None)[0] == conv.encode(later, False, None)[0]  # token 一样，图不一样
+    assert "".join(conv.reply(other, max_new_tokens=6, temperature=0)) == fresh(other)
+    assert conv.fed == total

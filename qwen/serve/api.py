@@ -26,12 +26,14 @@ from ..chat import Chat
 from ..conversation import generation_defaults
 from .access import Access, Guard
 from .body import parse_json
-from .engine import Closed, Request
+from ..vision import VisionTower
+from .engine import Closed, Request, in_own_team
 from .errors import ApiError, engine_error
 from .listen import uvicorn_server
 from .requests import Job, chat_job, completion_job
 from .sse import Reply
 
+MAX_BODY = 20 << 20  # 请求体默认至多 20 MB：带图的请求是 base64 的 data: URL（OpenAI 一张图收到 20 MB）
 ROUTES = "GET /health、GET /v1/models、POST /v1/chat/completions、POST /v1/completions"
 
 
@@ -39,7 +41,7 @@ class Server:
     """HTTP 层的状态：引擎（加载完之前是 None）、对话模板与分词器、限制与访问规则（Access）。
     host：监听的地址（它也是合法的 Host）；allow_hosts / allow_origins：另外放行的 Host 名与 Origin（"*" 是全部）。"""
 
-    def __init__(self, name: str, api_key=None, max_body=1 << 20, max_prompt=None, max_tokens=4096, host="127.0.0.1",
+    def __init__(self, name: str, api_key=None, max_body=MAX_BODY, max_prompt=None, max_tokens=4096, host="127.0.0.1",
                  allow_hosts=(), allow_origins=(), body_timeout=30.0, header_timeout=10.0):
         self.name = name
         self.access = Access(api_key, host, allow_hosts, allow_origins)
@@ -53,6 +55,8 @@ class Server:
         self.defaults = {}  # 检查点推荐的采样设置（generation_config.json）
         self.load_error = None
         self.closing = False
+        self.tower = None  # 视觉塔（第 15 章）：第一个带图的请求来时才读
+        self.tower_lock = threading.Lock()
 
     def ready(self, engine):
         self.chat = Chat(engine.model)
@@ -61,6 +65,14 @@ class Server:
         self.engine = engine
         if self.closing:  # 加载时就收到了 SIGTERM
             engine.close()
+
+    def see(self, parts, most: int):
+        """消息里的图 → Images（第 15 章）：塔在一个只活这一次的线程里算（engine.in_own_team：请求线程不开自己的 OpenMP 队），
+        与别的请求的解码同时跑。most：上下文还剩几个 token。检查点没有视觉塔、图读不了：ValueError（400）。"""
+        with self.tower_lock:
+            if self.tower is None:
+                self.tower = VisionTower.from_pretrained(self.chat.path, dtype=self.engine.model.dtype)
+        return in_own_team(lambda: self.tower.encode(parts, most), self.engine.threads)
 
     def close(self):
         """关闭（SIGTERM）：不再接请求，没生成完的在下一个 token 之前停下。"""
@@ -119,7 +131,8 @@ async def models(http: HttpRequest):
 
 async def chat_completions(http: HttpRequest):
     server = http.app.state.server
-    return await answer(http, server, chat_job(await server.read_body(http), server))
+    body = await server.read_body(http)  # 查请求（带图时视觉塔看图）在线程里：事件循环不等它
+    return await answer(http, server, await asyncio.to_thread(chat_job, body, server))
 
 
 async def completions(http: HttpRequest):

@@ -43,6 +43,7 @@ class Request:
     stop: list = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)
     keep: int | None = None
+    images: object = None  # 提示词里的图（第 15 章的 Images，占位已展开）；没有图时 None
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # 从留下的状态接着读、没有重读的提示词 token 数
@@ -163,7 +164,7 @@ class Engine:
         """从留下的最长前缀接着，读到 keep（最后一个用户问题的末尾）并留一份；rest=True 时再读到倒数第二个 token。
         → 读到那里的 Resume。"""
         ids, keep = request.ids, request.keep
-        resume = (self.cache.longest(ids, keep) if keep is not None else None) or Resume.start(self.model)
+        resume = (self.cache.longest(ids, keep, request.images) if keep is not None else None) or Resume.start(self.model)
         request.cached_tokens = len(resume.tokens)
         if keep is not None and keep > len(resume.tokens):
             self.read(request, resume, keep)
@@ -177,10 +178,13 @@ class Engine:
     def read(self, request: Request, resume: Resume, end: int):
         """接着读 ids 到 end（不含），每段 piece 个 token、一次 Resume.feed；段与段之间请求取消了就不再读（它之后也不会
         再用这份状态）。"""
-        for a, b in pieces(len(resume.tokens), end, self.piece):
+        ids, images = request.ids, request.images
+        for a, b in pieces(len(resume.tokens), whole(request, end), self.piece):
             if request.cancelled.is_set():
                 return
-            resume.feed(self.model, self.mtp, request.ids[a:b])
+            a, b = len(resume.tokens), whole(request, b)  # 一张图整张地在一段里：切在图里的段并进下一段
+            if b > a:
+                resume.feed(self.model, self.mtp, ids[a:b], images and images.part(ids, a, b))
 
     def draft_cost(self) -> float:
         """贪心的请求每轮按这个代价挑草稿数：随同时生成的请求数变（schedule.draft_cost）。"""
@@ -193,9 +197,10 @@ class Engine:
             request.finish_reason = "cancelled"
             return
         greedy = request.sampling.temperature == 0  # 贪心：起不起草都是同样的 token，草稿数可以随批的大小变
-        tokens = resume.generate(self.model, self.mtp, request.ids[len(resume.tokens):], request.max_tokens,
-                                 request.stop, request.sampling, result=SpecResult(),
-                                 draft_cost=self.draft_cost if greedy else None)
+        ids, images, begin = request.ids, request.images, len(resume.tokens)
+        tokens = resume.generate(self.model, self.mtp, ids[begin:], request.max_tokens, request.stop, request.sampling,
+                                 result=SpecResult(), draft_cost=self.draft_cost if greedy else None,
+                                 images=images and images.part(ids, begin, len(ids)))
         for t in tokens:
             if request.cancelled.is_set():
                 request.finish_reason = "cancelled"
@@ -204,6 +209,14 @@ class Engine:
             request.out.put(t)
         stopped = request.tokens and request.tokens[-1] in request.stop
         request.finish_reason = "stop" if stopped else "length"
+
+
+def whole(request: Request, end: int) -> int:
+    """读到 end 为止，但不把一张图切开：end 落在一张图的 token 中间时挪到那张图之后。"""
+    ids, images = request.ids, request.images
+    while images is not None and 0 < end < len(ids) and ids[end - 1] == ids[end] == images.cfg.image_token_id:
+        end += 1
+    return end
 
 
 def in_own_team(fn, threads: int):

@@ -1,4 +1,4 @@
-"""附录 · 服务：每条消息与每个工具。角色、字段、类型都查：不认识的 400，不支持的说明并拒绝（图像、strict 的工具、
+"""附录 · 服务：每条消息与每个工具。角色、字段、类型都查：不认识的 400，不支持的说明并拒绝（远程图像、视频、strict 的工具、
 tool_choice 不是 "auto"……），不默默忽略。没有对话模板的检查点（demo）把各条消息的内容原样接起来续写：系统与工具消息、
 tools、工具调用与思考都无处可放，也是 400。"""
 
@@ -15,8 +15,10 @@ EMPTY_KEYS = {"refusal", "function_call", "audio", "annotations"}  # OpenAI 回�
 NO_TEMPLATE = "这个检查点没有对话模板（比如 demo）：各条消息的内容原样接起来让它续写，"
 
 
-def content_text(m: dict, where: str) -> str:
-    """消息的 content → 文字：字符串，或 [{"type": "text", "text": …}] 分段（拼起来）。助手的可以没有（只有工具调用时）。"""
+def content_text(m: dict, where: str):
+    """消息的 content → 文字：字符串，或分段的列表：文字 {"type": "text", "text": …} 与图像 {"type": "image_url",
+    "image_url": {"url": "data:image/…;base64,…"}}。只有文字时拼成一个字符串，有图时是分段的列表（build_prompt 照模板写出）。
+    助手的可以没有 content（只有工具调用时）。"""
     content = m.get("content")
     if content is None:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -25,13 +27,29 @@ def content_text(m: dict, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ApiError(400, f"{where}.content 应为字符串或文字分段的列表，收到 {show(content)}", "messages")
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str) \
-                or set(part) - {"type", "text"}:
-            raise ApiError(400, f"{where}.content[{j}] 应为 {{\"type\": \"text\", \"text\": …}}（这里不支持图像、音频与文件），"
-                                f"收到 {show(part)}", "messages")
-    return "".join(part["text"] for part in content)
+        raise ApiError(400, f"{where}.content 应为字符串或分段的列表，收到 {show(content)}", "messages")
+    parts = [content_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)]
+    return parts if any(p["type"] == "image_url" for p in parts) else "".join(p["text"] for p in parts)
+
+
+def content_part(part, where: str) -> dict:
+    """一段：文字，或 data: URL 的图像。远程的 http(s) 图像不替客户端下载，服务器上的文件也不给客户端读。"""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str) and not set(part) - {"type", "text"}:
+        return part
+    if kind in ("input_audio", "file", "video", "video_url"):
+        raise ApiError(400, f"{where}：不支持 {kind}（音频、文件与视频）；图像请用 image_url 的 data: URL", "messages")
+    image = part.get("image_url") if kind == "image_url" else None
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str) or set(part) - {"type", "image_url"} or isinstance(image, dict) and set(image) - {"url", "detail"}:
+        raise ApiError(400, f"{where} 应为 {{\"type\": \"text\", \"text\": …}} 或 {{\"type\": \"image_url\", \"image_url\": "
+                            f"{{\"url\": \"data:image/png;base64,…\"}}}}，收到 {show(part)}", "messages")
+    if url.startswith(("http://", "https://")):
+        raise ApiError(400, f"{where}：本地的服务不替客户端下载远程图像，请把图编成 data: URL 发来（data:image/png;base64,…）",
+                       "messages")
+    if not url.startswith("data:"):
+        raise ApiError(400, f"{where}.image_url.url 应为 data: URL（data:image/png;base64,…），收到 {show(url[:40])}", "messages")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def function_name(name, where: str) -> str:
@@ -72,7 +90,7 @@ def tool_calls(calls, where: str) -> list[dict]:
 
 
 def check_message(m, i: int, templated: bool) -> dict:
-    """一条消息 → {"role", "content": 文字, 可选 "tool_calls"、"reasoning_content"}；不认识的角色、字段、类型都 400。"""
+    """一条消息 → {"role", "content": 文字（或带图的分段）, 可选 "tool_calls"、"reasoning_content"}；不认识的都 400。"""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise ApiError(400, f"{where} 应为对象，收到 {show(m)}", "messages")

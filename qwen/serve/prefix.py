@@ -32,7 +32,7 @@ class PrefixCache:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.items = OrderedDict()  # tuple(tokens) → (Resume, 字节数)
+        self.items = OrderedDict()  # (tuple(tokens), 读过的图的摘要) → (Resume, 字节数)
         self.size = 0
         self.lock = threading.Lock()
 
@@ -42,7 +42,7 @@ class PrefixCache:
         if size > self.limit:
             return
         with self.lock:
-            key = tuple(saved.tokens)
+            key = (tuple(saved.tokens), tuple(saved.images))  # 同样的 token、不同的图是两份
             if key in self.items:
                 self.size -= self.items.pop(key)[1]
             self.items[key] = (saved, size)
@@ -50,12 +50,14 @@ class PrefixCache:
             while self.size > self.limit:
                 self.size -= self.items.popitem(last=False)[1][1]
 
-    def longest(self, tokens, upto: int) -> Resume | None:
-        """tokens[:upto] 之内最长的留下的前缀 → 它的 Resume（复制一份）；没有时 None。"""
+    def longest(self, tokens, upto: int, images=None) -> Resume | None:
+        """tokens[:upto] 之内最长的、读过的图（images：tokens 里的图）也相同的留下的前缀 → 它的 Resume（复制一份）；没有时 None。"""
         with self.lock:
             best = None
-            for key in self.items:
-                if len(key) <= upto and (best is None or len(key) > len(best)) and tuple(tokens[: len(key)]) == key:
+            for key, (saved, _) in self.items.items():
+                n = len(key[0])
+                if n <= upto and (best is None or n > len(best[0])) and tuple(tokens[:n]) == key[0] \
+                        and saved.same_images(images, tokens):
                     best = key
             if best is None:
                 return None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..conversation import cut_point
 from ..sample import RULES, Sampling
+from ..vision import TooManyImageTokens
 from .body import flag, number, within
 from .engine import Request
 from .errors import ApiError, show
@@ -118,7 +119,7 @@ def sampling(body, defaults: dict) -> Sampling:
     return Sampling(**(defaults | {k: v for k, v in given.items() if v is not None}))
 
 
-def request(ids, body, server, keep=None) -> Request:
+def request(ids, body, server, keep=None, images=None) -> Request:
     """提示词的 token 与请求体 → 引擎的 Request。server：api.py 的 Server（defaults、max_tokens、max_prompt、chat）。"""
     s = sampling(body, server.defaults)
     longest = number(body, "max_completion_tokens", 1, server.max_tokens, integer=True)
@@ -127,7 +128,7 @@ def request(ids, body, server, keep=None) -> Request:
     if len(ids) + limit > server.max_prompt:
         raise ApiError(400, f"提示词 {len(ids)} 个 token 加上 max_tokens {limit} 超过上限 {server.max_prompt}：请缩短提示词"
                             "或调小 max_tokens", "messages", "context_length_exceeded")
-    return Request(ids, limit, server.chat.stop, s, keep)
+    return Request(ids, limit, server.chat.stop, s, keep, images=images)
 
 
 def chat_job(body, server) -> Job:
@@ -140,13 +141,18 @@ def chat_job(body, server) -> Job:
         raise ApiError(400, "不支持 response_format（只能是 {\"type\": \"text\"}）", "response_format")
     think = thinking(body, chat.templated)
     try:
-        ids = chat.encode(chat.prompt(messages, think, tools))[0].tolist()
+        parts = []  # 消息里的图（第 13 章的 build_prompt 收下）
+        ids = chat.encode(chat.prompt(messages, think, tools, images=parts))
+        images = server.see(parts, server.max_prompt - ids.shape[1] - 1) if parts else None
+        ids = (images.expand(ids) if images is not None else ids)[0].tolist()
         has_user = any(m["role"] == "user" for m in messages)
-        keep = cut_point(chat, messages, tools, ids) if has_user else None
+        keep = cut_point(chat, messages, tools, ids, images) if has_user else None
+    except TooManyImageTokens as e:
+        raise ApiError(400, str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
     reader = Reader(chat.tk, think, stops(body), tools is not None)
-    return Job(request(ids, body, server, keep), reader, *stream_flags(body), chat=True)
+    return Job(request(ids, body, server, keep, images), reader, *stream_flags(body), chat=True)
 
 
 def completion_job(body, server) -> Job:
