@@ -1,7 +1,7 @@
 """qwen：手写、可读、快速的 Qwen3.5 PyTorch 实现。
 
 按课程顺序阅读：weights → embedding → norm → mlp → rope → attention → deltanet → chunk
-→ layer → model → cache → sample → chat → batch → mtp。
+→ layer → model → cache → sample → chat → batch → mtp → vision。
 """
 
 from .batch import generate_batch

@@ -254,13 +254,11 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
-    half = cfg.rotary_dim // 2  # 多模态 RoPE 的三段（文本里三段位置相同，等价于普通 RoPE）
-    section = [round(half * 11 / 32), round(half * 11 / 32), half - 2 * round(half * 11 / 32)]
-    text = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    text = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "mrope_section"}  # 它写在 rope_parameters 里
     text.update(model_type="qwen3_5_text", mtp_num_hidden_layers=1 if mtp else 0,
                 rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
                                  "partial_rotary_factor": cfg.partial_rotary_factor,
-                                 "mrope_section": section, "mrope_interleaved": True})
+                                 "mrope_section": cfg.mrope_section, "mrope_interleaved": True})  # 第 5 章的 M-RoPE
     text.update(extra_text_config or {})
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
               "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}

@@ -208,9 +208,9 @@ def test_no_recomputation(model, mtp, monkeypatch):
     calls = []
     original = Model.hidden
 
-    def counted(self, ids, state=None):
+    def counted(self, ids, state=None, images=None):
         calls.append(ids.shape[-1])
-        return original(self, ids, state)
+        return original(self, ids, state, images)
 
     monkeypatch.setattr(Model, "hidden", counted)
     ids = ids_of(10, seed=9)
@@ -227,11 +227,11 @@ def test_prefill_seconds_counts_only_the_prefill(model, mtp, monkeypatch):
     """SpecResult.prefill_seconds 只含预填充：预填充慢 0.3 秒、第一次验证也慢 0.3 秒时，它只多出前一个。"""
     original, slept = Model.hidden, []
 
-    def slow(self, ids, state=None):
+    def slow(self, ids, state=None, images=None):
         if ids.shape[-1] == 10 or (ids.shape[-1] == 3 and 3 not in slept):  # 预填充（10 个 token）与第一次验证（k = 2）
             slept.append(ids.shape[-1])
             time.sleep(0.3)
-        return original(self, ids, state)
+        return original(self, ids, state, images)
 
     monkeypatch.setattr(Model, "hidden", slow)
     t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 
 import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from checkpoints import make_vision_checkpoint
 from qwen import Model, State, generate, generate_batch, generate_mtp
-from qwen.vision import VisionConfig, VisionTower, prepare
+from qwen.vision import VisionConfig, VisionTower, open_image, prepare
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -195,3 +196,26 @@ def test_a_conversation_reuses_a_state_only_with_the_same_images(vision):
     assert conv.encode(other, False, None)[0] == conv.encode(later, False, None)[0]  # token 一样，图不一样
     assert "".join(conv.reply(other, max_new_tokens=6, temperature=0)) == fresh(other)
     assert conv.fed == total
+
+
+def test_without_pillow_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "PIL", None)  # 像没装 Pillow 那样：import PIL 失败
+    with pytest.raises(ImportError, match=r'pip install "qwen\[vision\]"'):
+        open_image(b"\x89PNG")
+
+
+def png_header(width: int, height: int) -> bytes:
+    """只有文件头的 PNG（IHDR 说它有 width×height 像素，后面没有像素数据）：不必真的造一张几亿像素的图。"""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def test_a_20000_by_20000_image_is_refused_before_it_is_decoded(tower):
+    """4 亿像素：在读文件头时就拒绝（解码要 1.2 GB），说清楚要先缩小。"""
+    with pytest.raises(ValueError, match="太大.*请先缩小"):
+        tower.encode([png_header(20000, 20000)])

@@ -5,7 +5,7 @@ import json
 from .engine import Closed
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 503: "service_unavailable", 500: "server_error"}
+               404: "not_found_error", 503: "service_unavailable", 500: "server_error", 501: "server_error"}
 
 
 class ApiError(Exception):

@@ -147,6 +147,8 @@ def chat_job(body, server) -> Job:
         ids = (images.expand(ids) if images is not None else ids)[0].tolist()
         has_user = any(m["role"] == "user" for m in messages)
         keep = cut_point(chat, messages, tools, ids, images) if has_user else None
+    except ImportError as e:  # 服务这边没装 Pillow：说出要装的 extra
+        raise ApiError(501, str(e), "messages") from None
     except TooManyImageTokens as e:
         raise ApiError(400, str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
