@@ -168,8 +168,8 @@ class VisionBlock(nn.Module):
         q, k, v = self.attn.qkv(self.norm1(x)).view(N, 3, self.heads, -1).permute(1, 2, 0, 3)  # 各 [heads, N, 64]
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)  # 二维 RoPE：cos、sin [N, 64]
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        out = torch.cat([F.scaled_dot_product_attention(*parts) for parts in  # 每张图各自做注意力
-                         zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)
+        out = torch.cat([F.scaled_dot_product_attention(*(p[None] for p in parts))[0] for parts in  # 每张图各自做注意力；
+                         zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # 四维的输入走 flash 内核
         x = x + self.attn.proj(out.transpose(0, 1).reshape(N, C))
         return x + self.mlp.linear_fc2(F.gelu(self.mlp.linear_fc1(self.norm2(x)), approximate="tanh"))
 
@@ -216,7 +216,7 @@ class VisionTower(nn.Module):
         w = self.patch_embed.proj.weight
         x = F.linear(pixels.to(w.dtype), w.flatten(1), self.patch_embed.proj.bias)  # [N, hidden]：Conv3d 就是这个
         pos, cos, sin = self.grid_tables(grids)
-        x = (x.float() + pos).to(self.dtype)
+        x = x + pos.to(x.dtype)  # 与 transformers 相同：位置表先转成塔的 dtype 再加
         lengths = [t * h * w for t, h, w in grids]
         for block in self.blocks:
             x = block(x, cos, sin, lengths)
