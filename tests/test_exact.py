@@ -96,3 +96,37 @@ def test_bfloat16_speculation_equals_greedy(request, name):
             assert r.tokens == plain, k
             assert r.drafted > r.hits > 0
     assert counters["stats"]["unique_graphs"] == before
+
+
+def synthetic_image(model, ids, seed: int = 0):
+    """不带视觉塔的检查点上的一张“图”：第 15 章的 Images，塔的输出换成随机向量（与嵌入同一尺度），网格 8×12 块 = 24 个 token。
+    占位 id 取词表里的 7。测的是图之后的一切（三维位置、shift、验证与提交），与塔本身无关（塔见 test_vision.py）。"""
+    from qwen.vision import Images, VisionConfig
+
+    cfg = VisionConfig(image_token_id=7, out_hidden_size=model.cfg.hidden_size)
+    gen = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(24, model.cfg.hidden_size, generator=gen) / model.cfg.hidden_size**0.5
+    images = Images(embeds, [(1, 8, 12)], cfg, ["synthetic"])
+    return images.expand(torch.cat([ids[:, :6], torch.tensor([[7]]), ids[:, 6:]], 1)), images
+
+
+@pytest.mark.parametrize("name", ["default-bfloat16", "compiled-bfloat16", "int8", "int4"])
+def test_speculation_with_an_image_equals_greedy(request, name):
+    """提示词里有一张图（图之后的位置从 max + 1 接着数，State.shift < 0）：每条快路径上投机解码与普通贪心逐 token 相同，
+    草稿既有接受也有拒绝；编译的图里 RoPE 的起点是 pos + shift（0 维张量），不为它重新编译。"""
+    from torch._dynamo.utils import counters
+
+    model, mtp = load(request, name)
+    warm_up(model, mtp, calibrate=False)
+    before = counters["stats"]["unique_graphs"]
+    ids, images = synthetic_image(model, prompt(model.cfg.vocab_size, 20, seed=5))
+    state = State(model)
+    plain = generate(model, ids, 40, images=images, state=state)
+    assert state.shift == 6 - 24 and len(set(plain)) >= 10  # 图占 24 个 token、6 个位置（合并后的网格 4×6 的 max）
+    for k in (1, 3):
+        drafter = OracleDrafter(mtp, ids[0].tolist() + plain, 0.6, seed=k)
+        r = speculate(model, drafter, ids, 40, draft_tokens=k, images=images)
+        assert r.tokens == plain, k
+        assert r.drafted > r.hits > 0
+        assert r.state.shift == state.shift
+    assert counters["stats"]["unique_graphs"] == before
