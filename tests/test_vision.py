@@ -219,3 +219,29 @@ def test_a_20000_by_20000_image_is_refused_before_it_is_decoded(tower):
     """4 亿像素：在读文件头时就拒绝（解码要 1.2 GB），说清楚要先缩小。"""
     with pytest.raises(ValueError, match="太大.*请先缩小"):
         tower.encode([png_header(20000, 20000)])
+
+
+def test_cli_sees_an_image(vision, tmp_path, capsys, monkeypatch):
+    """python -m qwen "…" --image PATH：回答与 Conversation 同一条消息相同；/image PATH 在交互式对话里给下一句话附图；
+    读不了的图、没有视觉塔的检查点都是一行错误（退出码 1），交互式对话里说明之后接着对话。"""
+    from qwen import Chat, Conversation
+    from qwen.__main__ import main
+
+    image = tmp_path / "a.png"
+    picture(64, 80, 12).save(image)
+    common = ["--model", str(vision[0]), "--max-new-tokens", "6", "--temperature", "0", "--dtype", "float32"]
+    main(["图里有什么？", "--image", str(image), *common])
+    out = capsys.readouterr().out
+    from qwen.fast import load
+
+    model, mtp = load(vision[0], dtype=torch.float32)
+    message = [{"role": "user", "content": [{"type": "image", "image": str(image)}, {"type": "text", "text": "图里有什么？"}]}]
+    assert out.strip() == "".join(Conversation(Chat(model), mtp).reply(message, max_new_tokens=6, temperature=0)).strip()
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {image}\n图里有什么？\n/image /no/such.png\n\n"))
+    main(common)
+    talk = capsys.readouterr()
+    assert out.strip() in talk.out and "没有这个文件" in talk.err
+    with pytest.raises(SystemExit, match="不存在"):
+        main(["图里有什么？", "--image", str(tmp_path / "missing.png"), *common])
+    with pytest.raises(SystemExit, match="不能看图"):
+        main(["图里有什么？", "--image", str(image), "--model", "demo", *common[2:]])
