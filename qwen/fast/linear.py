@@ -68,9 +68,10 @@ def to_blocks(weight: torch.Tensor) -> torch.Tensor:
 def from_blocks(blocks: torch.Tensor, out: int, n_in: int | None = None) -> torch.Tensor:
     """to_blocks 的逆，复制一份：[⌈out/32⌉, in, 32] → [out, in]。复制成转置的 [in, out]（每块的 32 个数原样搬过去，
     比逐个转置快），返回它的转置视图：F.linear 收到的就是 [in, out] 按行存放的普通矩阵乘法。
-    两个输入一对的 [B, ⌈in/2⌉, 32, 2]（Kernel.to_blocks 的 pairs）先摊开，去掉补的那个输入（n_in）。"""
+    两个输入一对的 [B, ⌈in/2⌉, 32, 2]（Kernel.to_blocks 的 pairs）也是一次复制：第 2p + r 个输入、第 32b + j 个输出是
+    blocks[b, p, j, r]，排成 [⌈in/2⌉, 2, B, 32] 就是 [in, out]，再去掉补的那个输入（n_in）。先 unpair 再搬是两次复制。"""
     if blocks.dim() == 4:
-        blocks = unpair(blocks, n_in)
+        return blocks.permute(1, 3, 0, 2).reshape(-1, blocks.shape[0] * BLOCK)[:n_in, :out].t()
     return blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)[:, :out].t()
 
 
