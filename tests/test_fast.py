@@ -1,5 +1,6 @@
 """附录 qwen.fast：每条快路径给出与普通路径相同的结果（float32 下 logits 差在舍入之内、token 逐个相同）。"""
 
+import ctypes
 import platform
 import time
 import warnings
@@ -602,3 +603,45 @@ def test_float32_model_keeps_bfloat16_blocks_exactly():
         want = kernel.matvec(x, full.blocks)[:, :70]
         assert half(x).dtype == torch.float32 and torch.equal(half(x), want), rows
     assert torch.allclose(half(x), full(x), atol=1e-4)  # 40 行：float32 的块拼回普通布局交给 F.linear
+
+
+def test_long_prefill_on_amx_reads_the_pairs_as_they_are(monkeypatch):
+    """有 AMX 的 CPU（amx.cpp）：长的预填充直接乘一对一对存放的块，不拼回普通布局；结果与 F.linear 乘原矩阵只差在
+    bfloat16 的舍入之内（两者都在 float32 里求和），行数不是 32 的倍数也对。块指令跑不了时（记成不能用）退回拼回 + F.linear。"""
+    kernel = load_matvec()
+    if not kernel.amx:
+        pytest.skip("这台 CPU 没有 AMX（或块指令在这里跑不了）：长的预填充拼回普通布局交给 F.linear")
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
+    linear = BlockedLinear(w, kernel)
+    dense = torch.nn.functional.linear(x, w).float()
+    got = linear(x[None])[0]  # 70 行 > KERNEL_ROWS：AMX
+    assert got.shape == (70, 200) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), dense, rtol=1e-2, atol=1e-2)
+    calls = []
+    monkeypatch.setattr(type(kernel), "gemm_pairs", lambda self, *a: calls.append(1) or pytest.fail("不该用 AMX"))
+    monkeypatch.setattr(kernel, "amx", False)
+    assert torch.equal(linear(x[None])[0], torch.nn.functional.linear(x, w)) and not calls
+
+
+def test_amx_that_traps_is_remembered_and_not_used(tmp_path, monkeypatch):
+    """块指令先在子进程里试（虚拟机上可能 SIGILL：死的是子进程）；试的结果按内核文件记在 amx.json。记成不能用时不再试，
+    这个进程也不用 AMX；子进程死掉（这里用一个立刻 SIGILL 的解释器代替）就记成不能用。"""
+    from qwen.fast import kernel as kernels
+    from qwen.fast.linear import find_compiler
+    from qwen.fast.records import read_record, write_record
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    so = kernels.kernel_file(find_compiler())
+    lib = kernels.load_or_build(so, find_compiler())
+    lib.amx_compiled.restype = ctypes.c_int
+    if not lib.amx_compiled():
+        pytest.skip("这台 CPU 没有 AMX：内核里没有编进块指令")
+    write_record("amx.json", so.name, False)
+    assert kernels.amx_usable(lib, so) is False
+    (tmp_path / "qwen" / "amx.json").unlink()
+    crash = tmp_path / "crash"
+    crash.write_text("#!/bin/sh\nkill -ILL $$\n")
+    crash.chmod(0o755)
+    monkeypatch.setattr(kernels.sys, "executable", str(crash))
+    assert kernels.amx_usable(lib, so) is False and read_record("amx.json", so.name) is False

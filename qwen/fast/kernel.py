@@ -20,14 +20,15 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from .records import record_file
+from .records import read_record, record_file, write_record
 
-SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp")]  # 编进同一个 .so
+SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp")]  # 编进同一个 .so
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
 QGROUP = 32  # int4：每个输出每这么多个输入一个比例（与 matvec.cpp 相同）
@@ -91,6 +92,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     **{f"quantize_int4_{t}": [PTR, I64, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
     **{f"to_pairs_{t}": [PTR, I64, I64, I64, PTR] for t in ("f32", "bf16")},
     "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
+    "gemm_pairs_amx": [PTR, I64, I64, PTR, I64, PTR],
     "deltanet_step": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, PTR,
                       I64, I64, I64, I64, I64, I64],
 }
@@ -113,6 +115,7 @@ class Kernel:
         lib.matvec_width.restype = lib.matvec_fma.restype = lib.matvec_vnni.restype = ctypes.c_int
         self.width, self.fma = lib.matvec_width(), bool(lib.matvec_fma())  # 编出来的向量宽度（float32 个数）、有没有 FMA
         self.vnni = bool(lib.matvec_vnni())  # int4 的整数点积用不用 VNNI（vpdpbusd）
+        self.amx = False  # 长的预填充用不用 AMX（amx.cpp）：load_kernel 试过块指令在这台机器上能跑才打开
 
     @property
     def isa(self) -> str:
@@ -139,6 +142,15 @@ class Kernel:
         y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
         self.pairs(xb.data_ptr(), x.shape[0], blocks.shape[1], blocks.data_ptr(), y.data_ptr(), blocks.shape[0])
         return y.to(torch.bfloat16)
+
+    def gemm_pairs(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """长的预填充：x [M, in] bfloat16 乘一对一对存放的 blocks [B, in/2, 32, 2] → [M, B·32] bfloat16，在 AMX 上（amx.cpp）。
+        in 要是 32 的倍数（调用方查）；行补到 32 的倍数再乘，多出的行丢掉。"""
+        M = x.shape[0]
+        xb = torch.nn.functional.pad(x.contiguous(), (0, 0, 0, -M % 32))
+        y = torch.empty(xb.shape[0], blocks.shape[0] * BLOCK, dtype=torch.bfloat16)
+        self.lib.gemm_pairs_amx(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), blocks.shape[0], y.data_ptr())
+        return y[:M]
 
     def deltanet_step(self, proj, conv, consts, eps: float, S, dims, history: list | None = None):
         """DeltaNet 层 T 个相继的位置（deltanet.cpp）：proj [B, T, P] float32（in_proj 的输出，最后一维连续），conv [B, K−1, C]
@@ -260,5 +272,42 @@ def load_kernel(cxx: str, flags=FLAGS) -> Kernel:
     except OSError:
         lib = load_or_build(Path(tempfile.mkdtemp(prefix="qwen-kernel-")) / out.name, cxx, flags)
     kernel = Kernel(lib)
+    kernel.amx = amx_usable(lib, out)
     register_ops(kernel)
     return kernel
+
+
+# 子进程里试一次 AMX：只用标准库（不导入 torch，几十毫秒），32 × 64 的整数小矩阵，结果必须分毫不差
+AMX_PROBE = """
+import ctypes, struct, sys
+lib = ctypes.CDLL(sys.argv[1])
+if not lib.amx_enable():
+    sys.exit(3)
+M, K = 32, 64
+bf = lambda v: struct.unpack('<I', struct.pack('<f', v))[0] >> 16
+xs = [(m + 3 * k) % 5 - 2 for m in range(M) for k in range(K)]
+ws = [(p + 2 * j + r) % 3 - 1 for p in range(K // 2) for j in range(32) for r in range(2)]
+x = (ctypes.c_uint16 * len(xs))(*map(bf, xs))
+w = (ctypes.c_uint16 * len(ws))(*map(bf, ws))
+y = (ctypes.c_uint16 * (M * 32))()
+lib.gemm_pairs_amx(x, ctypes.c_int64(M), ctypes.c_int64(K), w, ctypes.c_int64(1), y)
+want = [sum(xs[m * K + k] * ws[(k // 2) * 64 + j * 2 + k % 2] for k in range(K)) for m in range(M) for j in range(32)]
+sys.exit(0 if [bf(v) for v in want] == list(y) else 4)
+"""
+
+
+def amx_usable(lib: ctypes.CDLL, so: Path) -> bool:
+    """编进了 AMX（amx.cpp）时：块指令在这台机器上能不能跑？先在子进程里试一次（虚拟机上块指令可能报 SIGILL：那时死的是
+    子进程），结果按内核文件记在 record_file("amx.json")；能跑就向 Linux 申请本进程的块寄存器。不能跑：长的预填充照旧
+    拼回普通布局交给 F.linear（oneDNN 自己也会挑 AMX）。"""
+    lib.amx_compiled.restype = lib.amx_enable.restype = ctypes.c_int
+    if not lib.amx_compiled():
+        return False
+    works = read_record("amx.json", so.name)
+    if works is None:
+        try:
+            works = subprocess.run([sys.executable, "-c", AMX_PROBE, str(so)], timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            works = False
+        write_record("amx.json", so.name, works)
+    return bool(works) and bool(lib.amx_enable())

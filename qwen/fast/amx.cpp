@@ -1,0 +1,93 @@
+// 附录 · 长的预填充在 AMX 的矩阵单元上乘（Intel Xeon 的 Sapphire Rapids 之后；linear.py 的 BlockedLinear.forward 用）。
+//
+// 解码只有几行输入，时间花在读权重上（matvec.cpp）；预填充有几十到几百行，时间花在乘法上。AMX 有 8 个“块”寄存器
+// （每个 16 行 × 64 字节），一条 tdpbf16ps 把 A 块（16 行 × 32 个 bfloat16）乘 B 块（16 对 × 16 列，每列一对输入）累加进
+// C 块（16 × 16 个 float32）：一条指令 16·16·32 次乘加。B 块要求两个输入一对地排——bfloat16 的模型在有 AVX-512 BF16 的
+// CPU 上本来就这样存（to_pairs：[⌈out/32⌉, in/2, 32, 2]，一块的一行是 32 个输出的一对输入，128 字节），所以这里直接从
+// 分块布局读 B 块（步长 128 字节），不必像 F.linear 那样先把整个矩阵拼回普通布局（每次预填充都多一遍复制）。
+//
+// 每个 32 个输出的块（OpenMP 分给各线程）：行按 32 一组（两个 A 块），输入按 32 一段（两个 B 块：前 16 个、后 16 个输出），
+// 4 个 C 块累加；一块的权重（in × 32 × 2 字节，0.8B 上至多 229 KB）在 L2 里被每组行重读。求和在 float32 里，按输入的顺序，
+// 最后舍入成 bfloat16（round-to-nearest-even，vcvtneps2bf16）。
+// 用之前进程要向 Linux 申请块寄存器的状态（arch_prctl ARCH_REQ_XCOMP_PERM，每个进程一次）；kernel.py 先在一个子进程里试
+// 一次，记在磁盘上：虚拟机上块指令可能报 SIGILL，那时只有子进程死掉，这里退回 F.linear。
+// 参考：Intel 64 and IA-32 Architectures Optimization Reference Manual 的 AMX 一章；oneDNN 的 brgemm。
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QWEN_AMX 1
+#endif
+
+extern "C" int amx_compiled() {  // 编进来了没有（-march=native 的 CPU 有 AMX 才有）
+#ifdef QWEN_AMX
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+extern "C" int amx_enable() {  // 向内核申请块寄存器的状态：1 = 可以用了
+#ifdef QWEN_AMX
+  const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return 0;
+#endif
+}
+
+#ifdef QWEN_AMX
+struct TileConfig {  // _tile_loadconfig 要的 64 字节：调色板 1，每个块的行数与每行字节数
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+static void store_bf16(const float* c, uint16_t* y, int64_t ldy) {  // 一个 C 块（16 × 16 float32）→ y 的 16 行 × 16 列
+  for (int r = 0; r < 16; r++) {
+    __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + 16 * r));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)v);
+  }
+}
+#endif
+
+// x [M, K] bfloat16（M 是 32 的倍数，K 是 32 的倍数）乘 w [nb, K/2, 32, 2] → y [M, nb·32] bfloat16。
+extern "C" void gemm_pairs_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t nb, uint16_t* y) {
+#ifdef QWEN_AMX
+  const int64_t ldy = nb * 32;
+#pragma omp parallel
+  {
+    TileConfig cfg;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // 0–3：C，4–5：A，6–7：B
+    _tile_loadconfig(&cfg);
+    alignas(64) float c[4][256];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+      const uint16_t* wb = w + b * (K / 2) * 64;  // 这个块：K/2 对 × 32 个输出 × 2
+      for (int64_t m = 0; m < M; m += 32) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+          _tile_loadd(4, x + m * K + k, K * 2);  // 16 行 × 32 个输入
+          _tile_loadd(5, x + (m + 16) * K + k, K * 2);
+          _tile_loadd(6, wb + (k / 2) * 64, 128);  // 16 对 × 前 16 个输出
+          _tile_loadd(7, wb + (k / 2) * 64 + 32, 128);  // 16 对 × 后 16 个输出
+          _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+        uint16_t* yb = y + m * ldy + b * 32;
+        store_bf16(c[0], yb, ldy); store_bf16(c[1], yb + 16, ldy);
+        store_bf16(c[2], yb + 16 * ldy, ldy); store_bf16(c[3], yb + 16 * ldy + 16, ldy);
+      }
+    }
+    _tile_release();
+  }
+#else
+  (void)x; (void)M; (void)K; (void)w; (void)nb; (void)y;
+#endif
+}
