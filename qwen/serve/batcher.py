@@ -92,6 +92,13 @@ class RowBatcher:
             return self.kernel.matvec(x, blocks, scales)
         return self.wait(Waiting(blocks, self.matvecs, (x, blocks, scales)))
 
+    @property
+    def amx(self) -> bool:  # 长的预填充（多于 KERNEL_ROWS 行）不拼：照内核的来（linear.py 的 BlockedLinear.amx_rows）
+        return self.kernel.amx
+
+    def gemm_pairs(self, x, blocks):
+        return self.kernel.gemm_pairs(x, blocks)
+
     def matvecs(self, args: list) -> list:
         """同一个矩阵乘几个请求的行：拼起来乘一次，再按请求切开。"""
         x = args[0][0] if len(args) == 1 else torch.cat([a[0] for a in args])  # [ΣM, in]
