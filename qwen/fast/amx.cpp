@@ -14,6 +14,7 @@
 // 参考：Intel 64 and IA-32 Architectures Optimization Reference Manual 的 AMX 一章；oneDNN 的 brgemm。
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -55,39 +56,84 @@ static void store_bf16(const float* c, uint16_t* y, int64_t ldy) {  // 一个 C 
 }
 #endif
 
+#ifdef QWEN_AMX
+// 一个 32 个输出的块：x [M, K] 乘 wb [K/2, 32, 2]（一对一对的 bfloat16）→ y 的 32 列（行距 ldy）。
+static void block_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wb, uint16_t* y, int64_t ldy) {
+  alignas(64) float c[4][256];
+  for (int64_t m = 0; m < M; m += 32) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+      _tile_loadd(4, x + m * K + k, K * 2);  // 16 行 × 32 个输入
+      _tile_loadd(5, x + (m + 16) * K + k, K * 2);
+      _tile_loadd(6, wb + (k / 2) * 64, 128);  // 16 对 × 前 16 个输出
+      _tile_loadd(7, wb + (k / 2) * 64 + 32, 128);  // 16 对 × 后 16 个输出
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+    uint16_t* yb = y + m * ldy;
+    store_bf16(c[0], yb, ldy); store_bf16(c[1], yb + 16, ldy);
+    store_bf16(c[2], yb + 16 * ldy, ldy); store_bf16(c[3], yb + 16 * ldy + 16, ldy);
+  }
+}
+
+static void load_tiles() {  // 每个线程用块寄存器之前：0–3 是 C，4–5 是 A，6–7 是 B，都是 16 行 × 64 字节
+  TileConfig cfg;
+  for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// int8 的一块 q [K, 32] 乘各输出的比例 s [32] → 一对一对的 bfloat16 wb [K/2, 32, 2]：与 linear.py 的 dense() 逐位相同
+// （int8 转成 float32 乘比例，再按 round-to-nearest-even 舍入成 bfloat16），只是一块一块地做、留在 L2 里，不拼回整个矩阵。
+static void dequantize_i8(const int8_t* q, const float* s, int64_t K, uint16_t* wb) {
+  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+  const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // 两行交错成一对一对
+  for (int64_t p = 0; p < K / 2; p++) {
+    const int8_t* r0 = q + (2 * p) * 32;
+    const int8_t* r1 = r0 + 32;
+    auto f = [](const int8_t* r) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)r))); };
+    __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_mul_ps(f(r1), s0), _mm512_mul_ps(f(r0), s0));  // [第 2p 行 | 第 2p+1 行]
+    __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_mul_ps(f(r1 + 16), s1), _mm512_mul_ps(f(r0 + 16), s1));
+    _mm512_storeu_si512(wb + p * 64, _mm512_permutexvar_epi16(mix, (__m512i)lo));
+    _mm512_storeu_si512(wb + p * 64 + 32, _mm512_permutexvar_epi16(mix, (__m512i)hi));
+  }
+}
+#endif
+
 // x [M, K] bfloat16（M 是 32 的倍数，K 是 32 的倍数）乘 w [nb, K/2, 32, 2] → y [M, nb·32] bfloat16。
 extern "C" void gemm_pairs_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t nb, uint16_t* y) {
 #ifdef QWEN_AMX
-  const int64_t ldy = nb * 32;
 #pragma omp parallel
   {
-    TileConfig cfg;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // 0–3：C，4–5：A，6–7：B
-    _tile_loadconfig(&cfg);
-    alignas(64) float c[4][256];
+    load_tiles();
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; b++) {
-      const uint16_t* wb = w + b * (K / 2) * 64;  // 这个块：K/2 对 × 32 个输出 × 2
-      for (int64_t m = 0; m < M; m += 32) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t k = 0; k < K; k += 32) {
-          _tile_loadd(4, x + m * K + k, K * 2);  // 16 行 × 32 个输入
-          _tile_loadd(5, x + (m + 16) * K + k, K * 2);
-          _tile_loadd(6, wb + (k / 2) * 64, 128);  // 16 对 × 前 16 个输出
-          _tile_loadd(7, wb + (k / 2) * 64 + 32, 128);  // 16 对 × 后 16 个输出
-          _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
-        uint16_t* yb = y + m * ldy + b * 32;
-        store_bf16(c[0], yb, ldy); store_bf16(c[1], yb + 16, ldy);
-        store_bf16(c[2], yb + 16 * ldy, ldy); store_bf16(c[3], yb + 16 * ldy + 16, ldy);
-      }
-    }
+    for (int64_t b = 0; b < nb; b++) block_amx(x, M, K, w + b * (K / 2) * 64, y + b * 32, nb * 32);
     _tile_release();
   }
 #else
   (void)x; (void)M; (void)K; (void)w; (void)nb; (void)y;
+#endif
+}
+
+// int8 的矩阵（to_blocks 的 [nb, K, 32] 与每个输出的比例 [nb, 32]）：每块先在线程自己的缓冲里换成一对一对的 bfloat16，再乘。
+extern "C" void gemm_i8_amx(const uint16_t* x, int64_t M, int64_t K, const int8_t* q, const float* scales, int64_t nb,
+                            uint16_t* y) {
+#ifdef QWEN_AMX
+#pragma omp parallel
+  {
+    load_tiles();
+    uint16_t* wb = static_cast<uint16_t*>(aligned_alloc(64, K * 64));  // K/2 对 × 32 × 2 个 bfloat16
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+      dequantize_i8(q + b * K * 32, scales + b * 32, K, wb);
+      block_amx(x, M, K, wb, y + b * 32, nb * 32);
+    }
+    free(wb);
+    _tile_release();
+  }
+#else
+  (void)x; (void)M; (void)K; (void)q; (void)scales; (void)nb; (void)y;
 #endif
 }

@@ -93,6 +93,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     **{f"to_pairs_{t}": [PTR, I64, I64, I64, PTR] for t in ("f32", "bf16")},
     "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
     "gemm_pairs_amx": [PTR, I64, I64, PTR, I64, PTR],
+    "gemm_i8_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
     "deltanet_step": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, PTR,
                       I64, I64, I64, I64, I64, I64],
 }
@@ -143,13 +144,18 @@ class Kernel:
         self.pairs(xb.data_ptr(), x.shape[0], blocks.shape[1], blocks.data_ptr(), y.data_ptr(), blocks.shape[0])
         return y.to(torch.bfloat16)
 
-    def gemm_pairs(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """长的预填充：x [M, in] bfloat16 乘一对一对存放的 blocks [B, in/2, 32, 2] → [M, B·32] bfloat16，在 AMX 上（amx.cpp）。
+    def gemm(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+        """长的预填充：x [M, in] bfloat16 乘分块布局的矩阵 → [M, B·32] bfloat16，在 AMX 上（amx.cpp）。blocks 是一对一对的
+        bfloat16 [B, in/2, 32, 2]，或 int8 [B, in, 32] 带每个输出的比例 scales [B, 32]（一块一块地换成 bfloat16 再乘）。
         in 要是 32 的倍数（调用方查）；行补到 32 的倍数再乘，多出的行丢掉。"""
         M = x.shape[0]
         xb = torch.nn.functional.pad(x.contiguous(), (0, 0, 0, -M % 32))
         y = torch.empty(xb.shape[0], blocks.shape[0] * BLOCK, dtype=torch.bfloat16)
-        self.lib.gemm_pairs_amx(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), blocks.shape[0], y.data_ptr())
+        if blocks.dtype == torch.int8:
+            self.lib.gemm_i8_amx(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), scales.data_ptr(),
+                                 blocks.shape[0], y.data_ptr())
+        else:
+            self.lib.gemm_pairs_amx(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), blocks.shape[0], y.data_ptr())
         return y[:M]
 
     def deltanet_step(self, proj, conv, consts, eps: float, S, dims, history: list | None = None):

@@ -234,16 +234,18 @@ class BlockedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         M = x2.shape[0]
-        if M > self.kernel_rows and self.amx_rows(x2):  # 预填充、CPU 有 AMX：直接乘一对一对存放的块（amx.cpp），不拼回
-            y = self.kernel.gemm_pairs(x2, self.blocks)[:, : self.out_features]
+        if M > KERNEL_ROWS and self.amx_rows(x2):  # 预填充、CPU 有 AMX：直接乘分块布局（amx.cpp），不拼回（int8 也是）
+            y = self.kernel.gemm(x2, self.blocks, self.scales)[:, : self.out_features]
             return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], -1)
         if M > self.kernel_rows:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
             return F.linear(x2, self.dense(), self.bias).reshape(*x.shape[:-1], -1)
         return self.matvec(x)
 
     def amx_rows(self, x2: torch.Tensor) -> bool:
-        """长的预填充能不能在 AMX 上乘：内核试过块指令能跑、矩阵是 bfloat16 一对一对存放的、输入是 32 的倍数。"""
-        return self.kernel.amx and self.blocks.dim() == 4 and self.in_features % 32 == 0 and x2.dtype == torch.bfloat16
+        """长的预填充能不能在 AMX 上乘：内核试过块指令能跑、输入是 bfloat16、个数是 32 的倍数，矩阵是一对一对存放的
+        bfloat16 或 int8（int4 还是拼回）。"""
+        kind = self.blocks.dim() == 4 or self.blocks.dtype == torch.int8
+        return self.kernel.amx and kind and self.in_features % 32 == 0 and x2.dtype == torch.bfloat16
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """不论几行都用 C++ 的 matvec 乘：每一行的结果与同时乘几行无关（服务时拼起来的几个请求的行要这样，见 qwen/serve）。

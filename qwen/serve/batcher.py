@@ -96,8 +96,8 @@ class RowBatcher:
     def amx(self) -> bool:  # 长的预填充（多于 KERNEL_ROWS 行）不拼：照内核的来（linear.py 的 BlockedLinear.amx_rows）
         return self.kernel.amx
 
-    def gemm_pairs(self, x, blocks):
-        return self.kernel.gemm_pairs(x, blocks)
+    def gemm(self, x, blocks, scales=None):
+        return self.kernel.gemm(x, blocks, scales)
 
     def matvecs(self, args: list) -> list:
         """同一个矩阵乘几个请求的行：拼起来乘一次，再按请求切开。"""
