@@ -613,12 +613,14 @@ def test_long_prefill_on_amx_reads_the_pairs_as_they_are(monkeypatch):
         pytest.skip("这台 CPU 没有 AMX（或块指令在这里跑不了）：长的预填充拼回普通布局交给 F.linear")
     w = torch.randn(200, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
-    for quantize in ("int8", None):  # int8：每块先在 L2 里换成与 dense() 逐位相同的 bfloat16，再乘
+    for quantize in ("int8", "int4", None):  # 量化的：每块先在 L2 里换成与 dense() 逐位相同的 bfloat16，再乘
         linear = BlockedLinear(w, kernel, quantize=quantize, dtype=torch.bfloat16)
         dense = torch.nn.functional.linear(x, linear.dense()).float()
         got = linear(x[None])[0]  # 70 行 > KERNEL_ROWS：AMX
         assert got.shape == (70, 200) and got.dtype == torch.bfloat16
         assert torch.allclose(got.float(), dense, rtol=1e-2, atol=1e-2), quantize
+        eye = torch.eye(96, dtype=torch.bfloat16)  # 每行只有一个 1：乘出来就是矩阵的一行，换成的 bfloat16 与 dense() 逐位相同
+        assert torch.equal(kernel.gemm(eye, linear.blocks, linear.scales)[:, :200], linear.dense().t()), quantize
     calls = []
     monkeypatch.setattr(type(kernel), "gemm", lambda self, *a: calls.append(1) or pytest.fail("不该用 AMX"))
     monkeypatch.setattr(kernel, "amx", False)

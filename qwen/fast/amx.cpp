@@ -100,6 +100,34 @@ static void dequantize_i8(const int8_t* q, const float* s, int64_t K, uint16_t* 
     _mm512_storeu_si512(wb + p * 64 + 32, _mm512_permutexvar_epi16(mix, (__m512i)hi));
   }
 }
+
+// int4 的一块（quantize_int4：q [K/4, 64] 字节，第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，高 4 位是第 j + 16 个
+// 输出，存的是 q + 8；s [K/32, 32] float16）→ 一对一对的 bfloat16 wb [K/2, 32, 2]，同样与 dense() 逐位相同。
+static void dequantize_q4(const uint8_t* q, const uint16_t* s, int64_t K, uint16_t* wb) {
+  const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi32(8);
+  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);  // 每个输出的比例重复两次
+  const __m512i dup_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  __m512 sc[4];  // 这一组（32 个输入）的比例：输出 0–7、8–15、16–23、24–31，一对一个
+  for (int64_t P = 0; P < K / 4; P++) {  // 一份 64 个字节：4 个输入 × 32 个输出
+    if (P % 8 == 0) {
+      const __m512 g0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + (P / 8) * 32)));
+      const __m512 g1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + (P / 8) * 32 + 16)));
+      sc[0] = _mm512_permutexvar_ps(dup_lo, g0); sc[1] = _mm512_permutexvar_ps(dup_hi, g0);
+      sc[2] = _mm512_permutexvar_ps(dup_lo, g1); sc[3] = _mm512_permutexvar_ps(dup_hi, g1);
+    }
+    const __m512i v = _mm512_loadu_si512(q + P * 64);
+    const __m512i nib[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+    for (int h = 0; h < 2; h++) {  // 低 4 位：输出 0–15；高 4 位：输出 16–31
+      for (int r = 0; r < 2; r++) {  // 这 4 个输入里的前一对、后一对：每个 32 位里的低、高 16 位
+        __m256i pair = _mm512_cvtepi32_epi16(_mm512_srli_epi32(nib[h], 16 * r));  // 16 个输出 × 一对输入（字节）
+        auto f = [&](__m128i b8) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b8), eight)); };
+        __m512 a = _mm512_mul_ps(f(_mm256_castsi256_si128(pair)), sc[2 * h]);
+        __m512 b = _mm512_mul_ps(f(_mm256_extracti128_si256(pair, 1)), sc[2 * h + 1]);
+        _mm512_storeu_si512(wb + (2 * P + r) * 64 + 32 * h, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+      }
+    }
+  }
+}
 #endif
 
 // x [M, K] bfloat16（M 是 32 的倍数，K 是 32 的倍数）乘 w [nb, K/2, 32, 2] → y [M, nb·32] bfloat16。
@@ -128,6 +156,27 @@ extern "C" void gemm_i8_amx(const uint16_t* x, int64_t M, int64_t K, const int8_
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; b++) {
       dequantize_i8(q + b * K * 32, scales + b * 32, K, wb);
+      block_amx(x, M, K, wb, y + b * 32, nb * 32);
+    }
+    free(wb);
+    _tile_release();
+  }
+#else
+  (void)x; (void)M; (void)K; (void)q; (void)scales; (void)nb; (void)y;
+#endif
+}
+
+// int4 的矩阵（quantize_int4 的 q [nb, K/4, 64] 与比例 [nb, K/32, 32] float16）：同样一块一块地换成 bfloat16 再乘。
+extern "C" void gemm_q4_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* scales, int64_t nb,
+                            uint16_t* y) {
+#ifdef QWEN_AMX
+#pragma omp parallel
+  {
+    load_tiles();
+    uint16_t* wb = static_cast<uint16_t*>(aligned_alloc(64, K * 64));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+      dequantize_q4(q + b * (K / 4) * 64, scales + b * (K / 32) * 32, K, wb);
       block_amx(x, M, K, wb, y + b * 32, nb * 32);
     }
     free(wb);

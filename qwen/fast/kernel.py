@@ -94,6 +94,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
     "gemm_pairs_amx": [PTR, I64, I64, PTR, I64, PTR],
     "gemm_i8_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
+    "gemm_q4_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
     "deltanet_step": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, PTR,
                       I64, I64, I64, I64, I64, I64],
 }
@@ -146,14 +147,15 @@ class Kernel:
 
     def gemm(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         """长的预填充：x [M, in] bfloat16 乘分块布局的矩阵 → [M, B·32] bfloat16，在 AMX 上（amx.cpp）。blocks 是一对一对的
-        bfloat16 [B, in/2, 32, 2]，或 int8 [B, in, 32] 带每个输出的比例 scales [B, 32]（一块一块地换成 bfloat16 再乘）。
+        bfloat16 [B, in/2, 32, 2]，int8 [B, in, 32] 带每个输出的比例 scales [B, 32]，或 int4（quantize_int4 的 uint8 块与
+        float16 比例）：量化的一块一块地换成 bfloat16 再乘。
         in 要是 32 的倍数（调用方查）；行补到 32 的倍数再乘，多出的行丢掉。"""
         M = x.shape[0]
         xb = torch.nn.functional.pad(x.contiguous(), (0, 0, 0, -M % 32))
         y = torch.empty(xb.shape[0], blocks.shape[0] * BLOCK, dtype=torch.bfloat16)
-        if blocks.dtype == torch.int8:
-            self.lib.gemm_i8_amx(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), scales.data_ptr(),
-                                 blocks.shape[0], y.data_ptr())
+        if blocks.dtype in (torch.int8, torch.uint8):
+            gemm = self.lib.gemm_i8_amx if blocks.dtype == torch.int8 else self.lib.gemm_q4_amx
+            gemm(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), scales.data_ptr(), blocks.shape[0], y.data_ptr())
         else:
             self.lib.gemm_pairs_amx(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), blocks.shape[0], y.data_ptr())
         return y[:M]

@@ -234,7 +234,7 @@ class BlockedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         M = x2.shape[0]
-        if M > KERNEL_ROWS and self.amx_rows(x2):  # 预填充、CPU 有 AMX：直接乘分块布局（amx.cpp），不拼回（int8 也是）
+        if M > KERNEL_ROWS and self.amx_rows(x2):  # 预填充、CPU 有 AMX：直接乘分块布局（amx.cpp），不拼回（int8、int4 也是）
             y = self.kernel.gemm(x2, self.blocks, self.scales)[:, : self.out_features]
             return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], -1)
         if M > self.kernel_rows:  # 预填充：拼回普通布局交给 F.linear（每次多一份复制）
@@ -243,8 +243,8 @@ class BlockedLinear(nn.Module):
 
     def amx_rows(self, x2: torch.Tensor) -> bool:
         """长的预填充能不能在 AMX 上乘：内核试过块指令能跑、输入是 bfloat16、个数是 32 的倍数，矩阵是一对一对存放的
-        bfloat16 或 int8（int4 还是拼回）。"""
-        kind = self.blocks.dim() == 4 or self.blocks.dtype == torch.int8
+        bfloat16、int8 或 int4。"""
+        kind = self.blocks.dim() == 4 or self.blocks.dtype in (torch.int8, torch.uint8)
         return self.kernel.amx and kind and self.in_features % 32 == 0 and x2.dtype == torch.bfloat16
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
