@@ -8,7 +8,8 @@
 //
 // 每个 32 个输出的块（OpenMP 分给各线程）：行按 32 一组（两个 A 块），输入按 32 一段（两个 B 块：前 16 个、后 16 个输出），
 // 4 个 C 块累加；一块的权重（in × 32 × 2 字节，0.8B 上至多 229 KB）在 L2 里被每组行重读。求和在 float32 里，按输入的顺序，
-// 最后舍入成 bfloat16（round-to-nearest-even，vcvtneps2bf16）。
+// 最后舍入成 bfloat16（round-to-nearest-even，vcvtneps2bf16）。int8、int4 的矩阵没有这种排法：每块先在线程自己的缓冲里
+// 换成一对一对的 bfloat16（与 linear.py 的 dense() 逐位相同），再同样地乘——换一块只是几千条向量指令，缓冲留在 L2 里。
 // 用之前进程要向 Linux 申请块寄存器的状态（arch_prctl ARCH_REQ_XCOMP_PERM，每个进程一次）；kernel.py 先在一个子进程里试
 // 一次，记在磁盘上：虚拟机上块指令可能报 SIGILL，那时只有子进程死掉，这里退回 F.linear。
 // 参考：Intel 64 and IA-32 Architectures Optimization Reference Manual 的 AMX 一章；oneDNN 的 brgemm。
