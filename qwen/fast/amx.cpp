@@ -131,37 +131,40 @@ static void dequantize_q4(const uint8_t* q, const uint16_t* s, int64_t K, uint16
 }
 #endif
 
-// x [M, K] bfloat16（M 是 32 的倍数，K 是 32 的倍数）乘 w [nb, K/2, 32, 2] → y [M, nb·32] bfloat16。
-extern "C" void gemm_pairs_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t nb, uint16_t* y) {
 #ifdef QWEN_AMX
-#pragma omp parallel
-  {
-    load_tiles();
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; b++) block_amx(x, M, K, w + b * (K / 2) * 64, y + b * 32, nb * 32);
-    _tile_release();
-  }
-#else
-  (void)x; (void)M; (void)K; (void)w; (void)nb; (void)y;
-#endif
-}
-
-// int8 的矩阵（to_blocks 的 [nb, K, 32] 与每个输出的比例 [nb, 32]）：每块先在线程自己的缓冲里换成一对一对的 bfloat16，再乘。
-extern "C" void gemm_i8_amx(const uint16_t* x, int64_t M, int64_t K, const int8_t* q, const float* scales, int64_t nb,
-                            uint16_t* y) {
-#ifdef QWEN_AMX
+// 三种矩阵共用的外层：32 个输出一块，分给各线程；pairs_of(b, wb) 给出第 b 块的一对一对的 bfloat16
+// （bfloat16 的矩阵直接指进它自己，量化的换进线程自己的缓冲 wb 再指向 wb）。
+template <typename PairsOf>
+static void gemm_blocks(const uint16_t* x, int64_t M, int64_t K, int64_t nb, uint16_t* y, PairsOf pairs_of) {
 #pragma omp parallel
   {
     load_tiles();
     uint16_t* wb = static_cast<uint16_t*>(aligned_alloc(64, K * 64));  // K/2 对 × 32 × 2 个 bfloat16
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; b++) {
-      dequantize_i8(q + b * K * 32, scales + b * 32, K, wb);
-      block_amx(x, M, K, wb, y + b * 32, nb * 32);
-    }
+    for (int64_t b = 0; b < nb; b++) block_amx(x, M, K, pairs_of(b, wb), y + b * 32, nb * 32);
     free(wb);
     _tile_release();
   }
+}
+#endif
+
+// x [M, K] bfloat16（M 是 32 的倍数，K 是 32 的倍数）乘 w [nb, K/2, 32, 2] → y [M, nb·32] bfloat16。
+extern "C" void gemm_pairs_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t nb, uint16_t* y) {
+#ifdef QWEN_AMX
+  gemm_blocks(x, M, K, nb, y, [&](int64_t b, uint16_t*) { return w + b * (K / 2) * 64; });
+#else
+  (void)x; (void)M; (void)K; (void)w; (void)nb; (void)y;
+#endif
+}
+
+// int8 的矩阵（to_blocks 的 [nb, K, 32] 与每个输出的比例 [nb, 32]）：每块先换成一对一对的 bfloat16，再乘。
+extern "C" void gemm_i8_amx(const uint16_t* x, int64_t M, int64_t K, const int8_t* q, const float* scales, int64_t nb,
+                            uint16_t* y) {
+#ifdef QWEN_AMX
+  gemm_blocks(x, M, K, nb, y, [&](int64_t b, uint16_t* wb) {
+    dequantize_i8(q + b * K * 32, scales + b * 32, K, wb);
+    return static_cast<const uint16_t*>(wb);
+  });
 #else
   (void)x; (void)M; (void)K; (void)q; (void)scales; (void)nb; (void)y;
 #endif
@@ -171,18 +174,10 @@ extern "C" void gemm_i8_amx(const uint16_t* x, int64_t M, int64_t K, const int8_
 extern "C" void gemm_q4_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* q, const uint16_t* scales, int64_t nb,
                             uint16_t* y) {
 #ifdef QWEN_AMX
-#pragma omp parallel
-  {
-    load_tiles();
-    uint16_t* wb = static_cast<uint16_t*>(aligned_alloc(64, K * 64));
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; b++) {
-      dequantize_q4(q + b * (K / 4) * 64, scales + b * (K / 32) * 32, K, wb);
-      block_amx(x, M, K, wb, y + b * 32, nb * 32);
-    }
-    free(wb);
-    _tile_release();
-  }
+  gemm_blocks(x, M, K, nb, y, [&](int64_t b, uint16_t* wb) {
+    dequantize_q4(q + b * (K / 4) * 64, scales + b * (K / 32) * 32, K, wb);
+    return static_cast<const uint16_t*>(wb);
+  });
 #else
   (void)x; (void)M; (void)K; (void)q; (void)scales; (void)nb; (void)y;
 #endif

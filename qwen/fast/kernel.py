@@ -285,7 +285,7 @@ def load_kernel(cxx: str, flags=FLAGS) -> Kernel:
     return kernel
 
 
-# 子进程里试一次 AMX：只用标准库（不导入 torch，几十毫秒），32 × 64 的整数小矩阵，结果必须分毫不差
+# 子进程里试一次 AMX：只用标准库（不导入 torch，启动得快），32 × 64 的整数小矩阵，结果必须分毫不差
 AMX_PROBE = """
 import ctypes, struct, sys
 lib = ctypes.CDLL(sys.argv[1])
