@@ -430,7 +430,7 @@ def test_quantized_matvecs_are_faster_than_bfloat16():
 def test_int4_is_q4_0_with_float16_scales():
     """int4 的公式（linear.py 的 quantize_int4）：每个输出每 32 个输入一组，s = float16(m / −8)，m 是组里绝对值最大的那个
     权重，q = clamp(round(w / s), −8, 7)；输入维不是 32 的倍数时最后一组短一些，全零的组 s = 0。拼回普通布局（长的
-    预填充）就是 q·s。C++ 的 matvec 是 int4_reference 的整数点积（输入每 32 个一组量化成 int8），1～9 行都与它一致；
+    预填充）就是 q·s。C++ 的 matvec 是 int_reference 的整数点积（输入每 32 个一组量化成 int8），1～9 行都与它一致；
     它离 float32 的输入乘反量化的权重约 0.5%（输入的量化误差）。"""
     kernel = load_matvec()
     w = torch.randn(70, 200, generator=torch.Generator().manual_seed(14)).bfloat16()  # 70：补零行；200 = 6 组 + 8 个
@@ -454,7 +454,8 @@ def test_int4_is_q4_0_with_float16_scales():
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_compiled_bfloat16_matvec_matches_linear(quantize):
     """bfloat16 的分块矩阵（C++ 的 matvec）与 F.linear 差在 bfloat16 舍入之内，1～8 行与长的预填充都是。
-    int8 的与反量化的权重 q·s 一致；q·s 离原来的权重不超过半个量化步长 s/2。"""
+    int8 的 q·s 离原来的权重不超过半个量化步长 s/2；长的预填充乘反量化的权重 q·s，几行的 matvec 是 int_reference 的整数
+    点积（输入每 32 个一组量化成 int8），离 float32 的输入乘 q·s 约 0.5%。"""
     kernel = load_matvec()
     w = torch.randn(70, 256, generator=torch.Generator().manual_seed(0)).bfloat16()  # 70：最后一块补零行
     q, scale = quantize_int8(w, kernel)
@@ -469,7 +470,13 @@ def test_compiled_bfloat16_matvec_matches_linear(quantize):
         for x in (base, torch.cat([base, base], 1)[:, 256:]):  # 连续的；有偏移、步长 512 的视图
             ref = x.float() @ ref_w.T
             got = linear(x).float()
-            assert got.shape == (rows, 70) and ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
+            assert got.shape == (rows, 70) and ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all() or quantize
+            if quantize and rows <= KERNEL_ROWS:
+                want = matvec_blocks(x.float(), linear.blocks, linear.scales)[:, :70]
+                assert torch.allclose(got, want.bfloat16().float(), rtol=1e-2, atol=1e-2)
+                assert (got - ref).norm() / ref.norm() < 0.01
+            elif quantize:
+                assert ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
 
 
 @pytest.mark.parametrize("quantize, dtype, tol", [("int8", torch.int8, 0.08), ("int4", torch.uint8, 0.6)])
@@ -541,7 +548,7 @@ def test_recurrent_in_place_is_differentiable():
 
 def test_untied_output_head_on_every_path(tmp_path):
     """输出头不与嵌入共用的检查点（lm_head.weight 在顶层）：快路径逐层读出时读的是它自己的输出头，不是嵌入表；
-    普通、打包、int8 的 logits 都与 transformers 一致（int8 的相对误差在 5% 以内），起草词表的那几行也取自它。"""
+    普通、打包、int8 的 logits 都与 transformers 一致（int8 的相对误差在 10% 以内），起草词表的那几行也取自它。"""
     path, hf = make_checkpoint(tmp_path, seed=5, tie=False)
     ids = prompt(512, 20, seed=5)
     with torch.no_grad():
@@ -552,7 +559,7 @@ def test_untied_output_head_on_every_path(tmp_path):
         with torch.inference_mode():
             got = model(ids)
         if tol is None:
-            assert (got - ref).norm() / ref.norm() <= 0.05  # 错读成嵌入表时是 100% 量级
+            assert (got - ref).norm() / ref.norm() <= 0.1  # 量化误差（权重与输入）约 7%；错读成嵌入表时是 100% 量级
         else:
             assert (got - ref).abs().max() <= tol
     packed = load_model(path, layout="packed", dtype=torch.float32)

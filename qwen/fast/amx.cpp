@@ -85,20 +85,29 @@ static void load_tiles() {  // 每个线程用块寄存器之前：0–3 是 C�
   _tile_loadconfig(&cfg);
 }
 
-// int8 的一块 q [K, 32] 乘各输出的比例 s [32] → 一对一对的 bfloat16 wb [K/2, 32, 2]：与 linear.py 的 dense() 逐位相同
-// （int8 转成 float32 乘比例，再按 round-to-nearest-even 舍入成 bfloat16），只是一块一块地做、留在 L2 里，不拼回整个矩阵。
+// int8 的一块（to_quads：q [K/4, 32, 4]，一份 4 个输入 × 32 个输出）乘各输出的比例 s [32] → 一对一对的 bfloat16
+// wb [K/2, 32, 2]：与 linear.py 的 dense() 逐位相同（int8 转成 float32 乘比例，再按 round-to-nearest-even 舍入成 bfloat16），
+// 只是一块一块地做、留在 L2 里，不拼回整个矩阵。一份里第 4j + t 个字节是第 j 个输出、第 t 个输入：按原来的次序转成
+// bfloat16，每 32 位就是一个输出的一对输入（t = 0、1 或 2、3），偶数的 32 位归前一对、奇数的归后一对。
 static void dequantize_i8(const int8_t* q, const float* s, int64_t K, uint16_t* wb) {
-  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-  const __m512i mix = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // 两行交错成一对一对
-  for (int64_t p = 0; p < K / 2; p++) {
-    const int8_t* r0 = q + (2 * p) * 32;
-    const int8_t* r1 = r0 + 32;
-    auto f = [](const int8_t* r) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)r))); };
-    __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_mul_ps(f(r1), s0), _mm512_mul_ps(f(r0), s0));  // [第 2p 行 | 第 2p+1 行]
-    __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_mul_ps(f(r1 + 16), s1), _mm512_mul_ps(f(r0 + 16), s1));
-    _mm512_storeu_si512(wb + p * 64, _mm512_permutexvar_epi16(mix, (__m512i)lo));
-    _mm512_storeu_si512(wb + p * 64 + 32, _mm512_permutexvar_epi16(mix, (__m512i)hi));
+  __m512 sc[8];  // 16 个字节（4 个输出 × 4 个输入）一个：每个输出的比例重复 4 次
+  for (int c = 0; c < 8; c++)
+    sc[c] = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12) -
+                                      _mm512_set1_epi32(12 - 4 * (c % 4)), _mm512_loadu_ps(s + 16 * (c / 4)));
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t P = 0; P < K / 4; P++) {  // 一份 128 个字节
+    __m512i bf[4];  // 第 h 个：输出 8h…8h+7 × 4 个输入的 bfloat16
+    for (int h = 0; h < 4; h++) {
+      auto f = [&](int c) {
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + P * 128 + 16 * c)))), sc[c]);
+      };
+      bf[h] = (__m512i)_mm512_cvtne2ps_pbh(f(2 * h + 1), f(2 * h));
+    }
+    for (int h = 0; h < 2; h++) {  // 输出 16h…16h+15
+      _mm512_storeu_si512(wb + (2 * P) * 64 + 32 * h, _mm512_permutex2var_epi32(bf[2 * h], even, bf[2 * h + 1]));
+      _mm512_storeu_si512(wb + (2 * P + 1) * 64 + 32 * h, _mm512_permutex2var_epi32(bf[2 * h], odd, bf[2 * h + 1]));
+    }
   }
 }
 
@@ -157,7 +166,7 @@ extern "C" void gemm_pairs_amx(const uint16_t* x, int64_t M, int64_t K, const ui
 #endif
 }
 
-// int8 的矩阵（to_blocks 的 [nb, K, 32] 与每个输出的比例 [nb, 32]）：每块先换成一对一对的 bfloat16，再乘。
+// int8 的矩阵（to_quads 的 [nb, K/4, 32, 4] 与每个输出的比例 [nb, 32]）：每块先换成一对一对的 bfloat16，再乘。
 extern "C" void gemm_i8_amx(const uint16_t* x, int64_t M, int64_t K, const int8_t* q, const float* scales, int64_t nb,
                             uint16_t* y) {
 #ifdef QWEN_AMX

@@ -86,7 +86,7 @@ def load_or_build(out: Path, cxx: str, flags=FLAGS) -> ctypes.CDLL:
 
 PTR, I64 = ctypes.c_void_p, ctypes.c_int64
 ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果的 dtype）
-    **{f"matvec_{t}": [PTR, I64, I64, PTR, PTR, PTR, I64] for t in ("f32", "bf16", "i8", "q4")},
+    **{f"matvec_{t}": [PTR, I64, I64, I64, PTR, PTR, PTR, I64, I64] for t in ("f32", "bf16", "i8", "q4")},
     **{f"to_blocks_{s}_{d}": [PTR, I64, I64, I64, PTR] for s in ("f32", "bf16") for d in ("f32", "bf16")},
     **{f"quantize_int8_{t}": [PTR, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
     **{f"quantize_int4_{t}": [PTR, I64, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
@@ -126,28 +126,32 @@ class Kernel:
         return name + (" VNNI" if self.vnni else "") + (" BF16" if self.pairs is not None else "")
 
     def matvec(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的再乘比例 scales [B, 32]；int4 的 blocks 是 uint8、每个字节
-        两个权重，scales [B, ⌈in/32⌉, 32] float16，见 linear.py 的 quantize_int4）→ [M, B·32]，dtype 同 x。"""
-        if blocks.dim() == 4:  # 一对一对的 bfloat16（to_blocks 的 pairs）：输入也是 bfloat16，两个一对
+        """x [M, in] 乘分块布局的 blocks [B, in, 32]（int8 的是 to_quads 的 [B, in/4, 32, 4]、比例 scales [B, 32]；int4 的
+        blocks 是 uint8、每个字节两个权重，scales [B, ⌈in/32⌉, 32] float16，见 linear.py 的 quantize_int4）→ [M, B·32]，
+        dtype 同 x。"""
+        if blocks.dtype == torch.bfloat16 and blocks.dim() == 4:  # 一对一对的 bfloat16（to_blocks 的 pairs）：输入也是 bfloat16
             return self.matvec_pairs(x, blocks)
-        xf = x.float().contiguous()
-        y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
-        self.matvecs[blocks.dtype](xf.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(),
-                                   None if scales is None else scales.data_ptr(), y.data_ptr(), blocks.shape[0])
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        # 量化的块直接读 bfloat16 的输入（内核里量化它），别的读 float32；结果在内核里写成 bfloat16 或 float32
+        x_bf16 = x.dtype == torch.bfloat16 and blocks.dtype in (torch.int8, torch.uint8)
+        xin = x.contiguous() if x_bf16 else x.float().contiguous()
+        y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+        self.matvecs[blocks.dtype](xin.data_ptr(), x_bf16, x.shape[0], x.shape[1], blocks.data_ptr(),
+                                   None if scales is None else scales.data_ptr(), y.data_ptr(), blocks.shape[0],
+                                   y.dtype == torch.bfloat16)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def matvec_pairs(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """x [M, in] bfloat16 乘一对一对存放的 blocks [B, ⌈in/2⌉, 32, 2] → [M, B·32] bfloat16（vdpbf16ps）。"""
         if x.dtype != torch.bfloat16:
             raise TypeError(f"一对一对存放的 bfloat16 矩阵只乘 bfloat16 的输入（bfloat16 的模型），收到 {x.dtype}")
         xb = x.contiguous() if x.shape[1] % 2 == 0 else torch.nn.functional.pad(x, (0, 1))  # 奇数个输入：补一个 0
-        y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK)
+        y = torch.empty(x.shape[0], blocks.shape[0] * BLOCK, dtype=torch.bfloat16)
         self.pairs(xb.data_ptr(), x.shape[0], blocks.shape[1], blocks.data_ptr(), y.data_ptr(), blocks.shape[0])
-        return y.to(torch.bfloat16)
+        return y
 
     def gemm(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
         """长的预填充：x [M, in] bfloat16 乘分块布局的矩阵 → [M, B·32] bfloat16，在 AMX 上（amx.cpp）。blocks 是一对一对的
-        bfloat16 [B, in/2, 32, 2]，int8 [B, in, 32] 带每个输出的比例 scales [B, 32]，或 int4（quantize_int4 的 uint8 块与
+        bfloat16 [B, in/2, 32, 2]，int8（to_quads 的 [B, in/4, 32, 4]）带每个输出的比例 scales [B, 32]，或 int4（quantize_int4 的 uint8 块与
         float16 比例）：量化的一块一块地换成 bfloat16 再乘。
         in 要是 32 的倍数（调用方查）；行补到 32 的倍数再乘，多出的行丢掉。"""
         M = x.shape[0]

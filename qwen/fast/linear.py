@@ -65,11 +65,20 @@ def to_blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(-1, BLOCK, n_in).transpose(1, 2).contiguous()
 
 
+def to_quads(q: torch.Tensor) -> torch.Tensor:
+    """int8 的 [out, in] → [⌈out/32⌉, ⌈in/32⌉·8, 32, 4]：一块 32 个输出，输入 4 个一份，第 b 块第 p 份的 [j, t] 是第 32b + j 个
+    输出、第 4p + t 个输入（matvec.cpp 的 Int8：一条 vpdpbusd 乘一份里 16 个输出的 4 个输入）。补的输出与输入是 0。"""
+    out, n_in = q.shape
+    q = F.pad(q, (0, -n_in % QGROUP, 0, -out % BLOCK))
+    quads = kernels.huge_pages(torch.empty(q.shape[0] // BLOCK, q.shape[1] // 4, BLOCK, 4, dtype=q.dtype))
+    return quads.copy_(q.view(-1, BLOCK, q.shape[1] // 4, 4).transpose(1, 2))
+
+
 def from_blocks(blocks: torch.Tensor, out: int, n_in: int | None = None) -> torch.Tensor:
     """to_blocks 的逆，复制一份：[⌈out/32⌉, in, 32] → [out, in]。复制成转置的 [in, out]（每块的 32 个数原样搬过去，
     比逐个转置快），返回它的转置视图：F.linear 收到的就是 [in, out] 按行存放的普通矩阵乘法。
-    两个输入一对的 [B, ⌈in/2⌉, 32, 2]（Kernel.to_blocks 的 pairs）也是一次复制：第 2p + r 个输入、第 32b + j 个输出是
-    blocks[b, p, j, r]，排成 [⌈in/2⌉, 2, B, 32] 就是 [in, out]，再去掉补的那个输入（n_in）。先 unpair 再搬是两次复制。"""
+    几个输入一份的 [B, P, 32, r]（Kernel.to_blocks 的 pairs，r = 2；int8 的 to_quads，r = 4）也是一次复制：第 rp + t 个
+    输入、第 32b + j 个输出是 blocks[b, p, j, t]，排成 [P, r, B, 32] 就是 [in, out]，再去掉补的输入（n_in）。"""
     if blocks.dim() == 4:
         return blocks.permute(1, 3, 0, 2).reshape(-1, blocks.shape[0] * BLOCK)[:n_in, :out].t()
     return blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)[:, :out].t()
@@ -81,15 +90,14 @@ def unpair(blocks: torch.Tensor, n_in: int) -> torch.Tensor:
 
 
 def matvec_blocks(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] 乘分块布局的权重 blocks [B, in, 32]（int8 的再乘每个输出的比例 scales [B, 32]；int4 的见 quantize_int4：
-    输入也量化）→ [M, B·32]：y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]。这是它的定义，写成 PyTorch 给人读、给测试
-    对照；真正用的是 matvec.cpp 里同一个公式的 C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
-    if blocks.dtype == torch.uint8:
-        return int4_reference(x, blocks, scales)
+    """x [M, in] 乘分块布局的权重 blocks [B, in, 32] → [M, B·32]：y[m, 32b + j] = Σ_i x[m, i] · blocks[b, i, j]（int8、int4 的
+    输入也量化，见 int_reference）。这是它的定义，写成 PyTorch 给人读、给测试对照；真正用的是 matvec.cpp 里同一个公式的
+    C++ 循环（torch.ops.qwen_fast.matvec，见 kernel.py）。"""
+    if blocks.dtype in (torch.int8, torch.uint8):
+        return int_reference(x, blocks, scales)
     if blocks.dim() == 4:
         blocks = unpair(blocks, x.shape[1])
     y = torch.einsum("mi,bij->mbj", x.float(), blocks.float())  # [M, B, 32]
-    y = y if scales is None else y * scales
     return y.flatten(1).to(x.dtype)
 
 
@@ -107,17 +115,22 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, n_in: int) -> torch.T
     return (int4_codes(q).float() * scales.float().repeat_interleave(QGROUP, dim=1))[:, :n_in]
 
 
-def int4_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int4 的 matvec 的定义（matvec.cpp 的 matvec_int4 是它的 C++ 循环）：x 每 32 个输入一组量化成 int8，
-    dx = max|x| / 127，xq = round(x / dx)；每组的整数和 Σ q·xq 乘 (s · dx)，各组相加。"""
+def int_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8、int4 的 matvec 的定义（matvec.cpp 的 matvec_int 是它的 C++ 循环）：x 每 32 个输入一组量化成 int8，
+    dx = max|x| / 127，xq = round(x / dx)；每组的整数和 Σ q·xq 乘 dx（int4 还乘这一组的比例），各组相加；int8 最后乘
+    每个输出的比例。q：int8 的 to_quads 块 [B, 8G, 32, 4]（scales [B, 32]），或 int4 的块 [B, 8G, 64] uint8。"""
     M, n_in = x.shape
-    G = scales.shape[1]
+    G = q.shape[1] // 8
     xg = F.pad(x.float(), (0, G * QGROUP - n_in)).view(M, G, QGROUP)
     dx = xg.abs().amax(-1, keepdim=True) / 127  # [M, G, 1]
     xq = torch.where(dx == 0, 0, torch.round(xg / dx))
-    codes = int4_codes(q).view(q.shape[0], G, QGROUP, BLOCK).double()  # [B, G, 32 个输入, 32 个输出]
-    dots = torch.einsum("mgi,bgij->mbgj", xq.double(), codes)  # 每组的整数和（double 里是精确的）
-    y = (dots * scales.double()[None] * dx.double()[:, None]).sum(2)  # [M, B, 32]
+    codes = q.transpose(2, 3) if q.dtype == torch.int8 else int4_codes(q)  # [B, 8G, 4, 32] 或 [B, 32G, 32]
+    codes = codes.reshape(q.shape[0], G, QGROUP, BLOCK).double()  # [B, G, 32 个输入, 32 个输出]
+    dots = torch.einsum("mgi,bgij->mbgj", xq.double(), codes) * dx.double()[:, None]  # 每组的整数和（double 里是精确的）乘 dx
+    if q.dtype == torch.int8:
+        y = dots.sum(2) * scales.double()
+    else:
+        y = (dots * scales.double()[None]).sum(2)  # [M, B, 32]
     return y.flatten(1).to(x.dtype)
 
 
@@ -188,7 +201,7 @@ def quantize_int4(parts, kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """对称的 int4，每个输出每 32 个输入一组（像 llama.cpp 的 Q4_0）：m 是这一组里绝对值最大的那个权重（带符号），
     s = float16(m / −8)，q = clamp(round(w / s), −8, 7)——m 自己正好是 −8，16 个值都用上。几个 [out_i, in] 的矩阵
     （parts，上下拼起来）→ 分块的 (q [B, 8·⌈in/32⌉, 64] uint8，一个字节两个权重，见 int4_codes；
-    scales [B, ⌈in/32⌉, 32] float16)。乘的时候输入也每 32 个一组量化成 int8，整数点积（int4_reference）。
+    scales [B, ⌈in/32⌉, 32] float16)。乘的时候输入也每 32 个一组量化成 int8，整数点积（int_reference）。
     每个权重 4 位、每 32 个另有 16 位的比例：4.5 位，是 bfloat16 的 28%。算的是 kernel（matvec.cpp）里的 C++ 循环，
     每次只读几千行（parts 可以是还在文件里的 FileRows）。"""
     return kernel.quantize_int4(parts)
@@ -209,7 +222,7 @@ class BlockedLinear(nn.Module):
             self.blocks, self.scales = quantize_int4(parts, kernel)
         elif quantize == "int8":
             q, scale = quantize_int8(parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts]), kernel)
-            self.blocks, self.scales = to_blocks(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
+            self.blocks, self.scales = to_quads(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
         else:  # [B, in, 32]。float32 的模型、bfloat16 的检查点：块仍存 bfloat16（转成 float32 是精确的，内核读时才转），
             # 结果与存 float32 逐位相同，读的字节少一半
             # bfloat16 的模型、CPU 有 AVX-512 BF16：两个输入一对存放，vdpbf16ps 乘（输入本来就是 bfloat16）

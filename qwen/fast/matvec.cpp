@@ -26,10 +26,8 @@
 namespace {
 
 typedef float v8f __attribute__((vector_size(32)));  // 8 个 float32：AVX2 的一个寄存器（别的 CPU 上编译器拆成两半）
-typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef int8_t v8b __attribute__((vector_size(8)));
 
 // 一个向量寄存器：有 AVX-512 时 16 个 float32（32 个 zmm 寄存器），否则 8 个（AVX2 的 16 个 ymm）。宽窄只改每条指令算几个
 // 输出：每个输出仍是自己的累加器、沿输入维从头到尾乘加，所以两种宽度的结果逐位相同
@@ -105,6 +103,20 @@ inline uint16_t float_to_bf16(float f) {  // 就近舍入到偶数（与 PyTorch
   return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// 结果 y [M, B·32]：float32，或 bfloat16（bfloat16 的模型：舍入与 PyTorch 的 .to(torch.bfloat16) 相同），调用的人不必再转一次
+struct Out {
+  void* p;
+  bool bf16;
+  void put(int64_t at, const float* v) const {  // 从第 at 个数起写 32 个
+    if (!bf16) {
+      std::memcpy(static_cast<float*>(p) + at, v, BLOCK * sizeof(float));
+      return;
+    }
+    uint16_t* o = static_cast<uint16_t*>(p) + at;
+    for (int j = 0; j < BLOCK; ++j) o[j] = float_to_bf16(v[j]);
+  }
+};
+
 // 读 WIDTH 个权重，转成 float32
 inline vec load(const float* p) {
   vec v;
@@ -125,18 +137,6 @@ inline vec load(const uint16_t* p) {  // bfloat16：补上低 16 位的 0 就是
   return f;
 #endif
 }
-inline vec load(const int8_t* p) {  // int8（quantize="int8"）：比例在累加完之后再乘
-#if defined(__AVX512F__)  // 一条 vpmovsxbd 读 16 个、带符号扩展成 int32，一条 vcvtdq2ps 转成 float32
-  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)  // 同上，8 个（通用的写法 GCC 编成逐个元素的转换，慢得多）
-  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-  v8b b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(__builtin_convertvector(b, v8i), v8f);
-#endif
-}
-
 // bfloat16 的模型（输入本来就是 bfloat16 的值）在有 AVX-512 BF16 的 CPU 上：一条 vdpbf16ps 把相邻两个输入的两个积
 // 加进一个 float32（Intel 的定义：先加第 2i+1 个的积、舍入，再加第 2i 个的、舍入；bfloat16 的积在 float32 里是精确的；
 // 次正规数当 0），一条指令 32 次乘加，不必先把权重转成 float32。权重按两个输入一对存放：Pair 是一块里一个输出的
@@ -229,18 +229,14 @@ constexpr int64_t ahead(int64_t M) {
 // 除以 GROUP 余 1 时（4、7、10……行）第一组乘 4 行：不然最后一组只有 1 行，为它把权重再转一遍 float32。4 行的 16 个
 // 累加向量放不下寄存器，编译器把几个留在 L1 里，乘加慢一些；放在第一组，正好与从内存读这一块的时间重叠
 template <typename W, int N>
-void tile(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B, int64_t b) {
+void tile(const float* x, int64_t M, int64_t n_in, const W* w, Out y, int64_t B, int64_t b) {
   float acc[N * (GROUP + 1) * BLOCK];
   for (int64_t m = 0, g = 0; m < M; m += g) {
     g = WIDTH == 8 && m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
     rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, ahead<W>(M), acc);
     for (int n = 0; n < N; ++n)
-      for (int64_t r = 0; r < g; ++r) {
-        float* yr = y + (m + r) * B * BLOCK + (b + n) * BLOCK;
-        const float* ar = acc + (n * g + r) * BLOCK;
-        const float* sr = scales ? scales + (b + n) * BLOCK : nullptr;
-        for (int j = 0; j < BLOCK; ++j) yr[j] = sr ? ar[j] * sr[j] : ar[j];
-      }
+      for (int64_t r = 0; r < g; ++r)
+        y.put((m + r) * B * BLOCK + (b + n) * BLOCK, acc + (n * g + r) * BLOCK);
   }
 }
 
@@ -266,11 +262,11 @@ void for_tiles(int64_t B, int64_t N, int64_t work, F tile) {
   }
 }
 
-// x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32（scales [B·32] 或空：int8 的比例）
+// x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32
 template <typename W>
-void matvec(const float* x, int64_t M, int64_t n_in, const W* w, const float* scales, float* y, int64_t B) {
+void matvec(const float* x, int64_t M, int64_t n_in, const W* w, Out y, int64_t B) {
   const int64_t N = adjacent_blocks(WIDTH == 16 ? 16 : 8, std::min<int64_t>(M, GROUP));
-  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { tile<W, decltype(n)::value>(x, M, n_in, w, scales, y, B, b); });
+  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { tile<W, decltype(n)::value>(x, M, n_in, w, y, B, b); });
 }
 
 // 加载时换布局：矩阵 src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进分块布局 out [B, in, 32] 里对应的位置，
@@ -317,42 +313,35 @@ void quantize_int8(const S* w, int64_t n, int64_t n_in, int8_t* q, float* scale,
 
 float same(float v) { return v; }
 
-// ---------- int4（quantize="int4"）：整数点积 ----------
+// ---------- int8、int4（quantize="int8"、"int4"）：整数点积 ----------
 //
-// 4 位的权重还原成 float32 再乘加，每个权重要好几条指令（取出 4 位、转换、乘比例），解码就被计算卡住，读的字节再少也
-// 快不起来。像 llama.cpp 的 Q4_0 那样换成整数：输入 x 每 32 个一组量化成 int8（dx = max|x| / 127，xq = round(x / dx)），
-// 权重是 0…15 的 u8（存的是 q + 8），一条 vpdpbusd（AVX-512 VNNI）把 4 对 u8 × s8 的积加进一个 int32：一条指令 64 次乘加。
-// 一组 32 个输入的整数和是精确的，与怎样分组、几行一起算都无关；每组结束时它再乘 (权重比例 · dx)、乘加进 float32 的累加器，
-// 沿输入维一组一组从头到尾：每一行的结果与单独乘它时逐位相同，验证的行就是解码的行。
+// 量化的权重还原成 float32 再乘加，每个权重要好几条指令（取出、转换、乘比例），解码就被计算卡住，读的字节再少也快不起来。
+// 像 llama.cpp 的 Q8_0、Q4_0 那样换成整数：输入 x 每 32 个一组量化成 int8（dx = max|x| / 127，xq = round(x / dx)），
+// 一条 vpdpbusd（AVX-512 VNNI）把 4 对 u8 × s8 的积加进一个 int32：一条指令 64 次乘加。一组 32 个输入的整数和是精确的，
+// 与怎样分组、几行一起算、用哪种指令都无关；每组结束时它乘上这一组的比例、乘加进 float32 的累加器，沿输入维一组一组
+// 从头到尾：每一行的结果与单独乘它时逐位相同，验证的行就是解码的行。
 //
-// 分块布局：一块（32 个输出）的输入按 4 个一份，一份 64 个字节：第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，
-// 高 4 位是第 j + 16 个输出（j < 16）。比例 [块, 组, 32] float16。输入维补到 32 的倍数（补的权重是 0，补的输入也是 0）。
+// 分块布局：一块（32 个输出）的输入按 4 个一份。int8 一份 128 个字节：第 4j + t 个字节是第 j 个输出、第 t 个输入的 q
+// （int8，比例是每个输出一个，乘在最后）。int4 一份 64 个字节：第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，
+// 高 4 位是第 j + 16 个输出（j < 16），存的是 q + 8，比例 [块, 组, 32] float16。输入维补到 32 的倍数（补的权重、输入都是 0）。
 
-constexpr int QIN = 32;  // int4：每个输出每这么多个输入一个比例，输入也按这么多个一组量化
+constexpr int QIN = 32;  // 输入每这么多个一组量化（int4 的权重也是每这么多个输入一个比例）
 typedef int32_t ivec __attribute__((vector_size(WIDTH * 4)));  // WIDTH 个 int32，或 4·WIDTH 个字节
 typedef uint8_t bvec __attribute__((vector_size(WIDTH * 4)));
+typedef int8_t svec __attribute__((vector_size(WIDTH * 4)));
 
-// 一份 64 个字节里的第 k 个向量：WIDTH 个输出 × 4 个输入的 u8 权重。AVX-512 上 k = 0 低 4 位、1 高 4 位；8 宽时 k = 0、1
-// 是前后 32 个字节的低 4 位，2、3 是它们的高 4 位。有 VNNI 时高 4 位不移下来，原地取出（HI = 16 倍的值，0、16…240）：
-// 少一条移位，整数和是精确的 16 倍，乘比例时再乘 1/16（2 的幂，不舍入，结果逐位相同）。没有 VNNI 时 maddubs 先把两个积
-// 加成 int16，240·127·2 会饱和，所以移下来
 #if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
-constexpr int HI = 16;
+constexpr bool VNNI = true;
 #else
-constexpr int HI = 1;
+constexpr bool VNNI = false;
 #endif
-constexpr int HALF = LANES / 2;  // 低 4 位占几个向量
-inline ivec nibbles(const uint8_t* p, int k) {
-  bvec b;
-  std::memcpy(&b, p + (k % HALF) * WIDTH * 4, sizeof b);
-  return (ivec)(k < HALF ? b & 0x0F : HI == 16 ? b & 0xF0 : (b >> 4) & 0x0F);
-}
 
-// acc[j] + Σ_t w.u8[4j + t] · x.s8[4j + t]：整数，精确（|w| ≤ 15、|x| ≤ 127，不会溢出）
-inline ivec dot4(ivec acc, ivec w, ivec x) {
+// acc[j] + Σ_t w.u8[4j + t] · x.s8[4j + t]：整数，精确（|w| ≤ 255、|x| ≤ 127；没有 VNNI 时 maddubs 先两两加成 int16，
+// 调用的人保证 2·|w|·127 不饱和）
+inline ivec dot_u8(ivec acc, ivec w, ivec x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   return (ivec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
-#elif defined(__AVX512BW__) && defined(__AVX512F__)  // u8 × s8 两两相加成 int16（不饱和：2·15·127），再两两加成 int32
+#elif defined(__AVX512BW__) && defined(__AVX512F__)  // u8 × s8 两两相加成 int16，再两两加成 int32
   return acc + (ivec)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)w, (__m512i)x), _mm512_set1_epi16(1));
 #elif defined(__AVXVNNI__) && !defined(__AVX512F__)
   return (ivec)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
@@ -360,13 +349,56 @@ inline ivec dot4(ivec acc, ivec w, ivec x) {
   return acc + (ivec)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)w, (__m256i)x), _mm256_set1_epi16(1));
 #else
   bvec wb = (bvec)w;
-  typedef int8_t svec __attribute__((vector_size(WIDTH * 4)));
   svec xb = (svec)x;
   for (int j = 0; j < WIDTH; ++j)
     for (int t = 0; t < 4; ++t) acc[j] += int32_t(wb[4 * j + t]) * int32_t(xb[4 * j + t]);
   return acc;
 #endif
 }
+
+// int4 的一份里第 k 个向量：WIDTH 个输出 × 4 个输入的 u8 权重。AVX-512 上 k = 0 低 4 位、1 高 4 位；8 宽时 k = 0、1
+// 是前后 32 个字节的低 4 位，2、3 是它们的高 4 位。有 VNNI 时高 4 位不移下来，原地取出（HI = 16 倍的值，0、16…240）：
+// 少一条移位，整数和是精确的 16 倍，乘比例时再乘 1/16（2 的幂，不舍入，结果逐位相同）。没有 VNNI 时 maddubs 先把两个积
+// 加成 int16，240·127·2 会饱和，所以移下来
+constexpr int HI = VNNI ? 16 : 1;
+constexpr int HALF = LANES / 2;  // 低 4 位占几个向量
+struct Int4 {
+  static constexpr int64_t QUAD = 2 * BLOCK;  // 一份几个字节
+  static ivec weights(const uint8_t* p, int k) {
+    bvec b;
+    std::memcpy(&b, p + (k % HALF) * WIDTH * 4, sizeof b);
+    return (ivec)(k < HALF ? b & 0x0F : HI == 16 ? b & 0xF0 : (b >> 4) & 0x0F);
+  }
+  static ivec dot(ivec acc, ivec w, ivec x) { return dot_u8(acc, w, x); }
+  static int32_t offset(int k) { return k < HALF ? 8 : 8 * HI; }  // 整数和多出的是 offset · Σ xq（存的是 q + 8）
+};
+
+// int8 的一份里第 k 个向量：WIDTH 个输出 × 4 个输入的 s8 权重（|q| ≤ 127）。vpdpbusd 的一边要无符号：有 VNNI 时异或 0x80
+// 就是 q + 128（0…254），整数和多出 128 · Σ xq；没有 VNNI 时 maddubs 会饱和（254·127·2），改乘 |q| 与带上 q 的符号的 x
+// （127·127·2 不饱和）：整数和与 VNNI 的一样精确，结果逐位相同
+struct Int8 {
+  static constexpr int64_t QUAD = 4 * BLOCK;
+  static ivec weights(const uint8_t* p, int k) {
+    ivec w;
+    std::memcpy(&w, p + k * WIDTH * 4, sizeof w);
+    return VNNI ? w ^ int32_t(0x80808080) : w;
+  }
+  static ivec dot(ivec acc, ivec w, ivec x) {
+    if constexpr (VNNI) return dot_u8(acc, w, x);
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+    const __m512i xs = _mm512_mask_sub_epi8((__m512i)x, _mm512_movepi8_mask((__m512i)w), _mm512_setzero_si512(), (__m512i)x);
+    return dot_u8(acc, (ivec)_mm512_abs_epi8((__m512i)w), (ivec)xs);
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+    return dot_u8(acc, (ivec)_mm256_abs_epi8((__m256i)w), (ivec)_mm256_sign_epi8((__m256i)x, (__m256i)w));
+#else
+    svec wb = (svec)w, xb = (svec)x;
+    for (int j = 0; j < WIDTH; ++j)
+      for (int t = 0; t < 4; ++t) acc[j] += int32_t(wb[4 * j + t]) * int32_t(xb[4 * j + t]);
+    return acc;
+#endif
+  }
+  static int32_t offset(int) { return VNNI ? 128 : 0; }
+};
 
 inline vec load_half(const uint16_t* p) {  // WIDTH 个 float16 → float32（int4 的比例）
 #if defined(__AVX512F__)
@@ -387,17 +419,21 @@ struct QuantizedRows {
   std::vector<int32_t> sum;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t n_in, int64_t groups) {
+inline float value(float v) { return v; }
+inline float value(uint16_t v) { return bf16_to_float(v); }
+
+template <typename X>  // 输入 x 是 float32 或 bfloat16（bfloat16 的模型不必先转成 float32）
+QuantizedRows quantize_rows(const X* x, int64_t M, int64_t n_in, int64_t groups) {
   QuantizedRows r{std::vector<int8_t>(M * groups * QIN), std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < groups; ++c) {
       const int64_t i0 = c * QIN, i1 = std::min<int64_t>(n_in, i0 + QIN);
       float amax = 0.0f;
-      for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(x[m * n_in + i]));
+      for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(value(x[m * n_in + i])));
       const float d = amax / 127.0f;
       int32_t sum = 0;
       for (int64_t i = i0; i < i1; ++i) {
-        const int8_t q = d == 0.0f ? 0 : int8_t(std::nearbyint(x[m * n_in + i] / d));
+        const int8_t q = d == 0.0f ? 0 : int8_t(std::nearbyint(value(x[m * n_in + i]) / d));
         r.xq[(m * groups + c) * QIN + i - i0] = q;
         sum += q;
       }
@@ -407,20 +443,21 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t n_in, int64_t gro
   return r;
 }
 
-// G 行（量化好的输入，从第 m0 行起）乘相邻的 N 块 int4 → out [N, G, 32]
-template <int G, int N>
-void q4_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* w, const uint16_t* s, float* out) {
-  const int64_t stride = groups * QIN * (BLOCK / 2);  // 一块几个字节
+// G 行（量化好的输入，从第 m0 行起）乘相邻的 N 块 → out [N, G, 32]。int4：每组的整数和乘 (权重的比例 · dx)；
+// int8：乘 dx，全部组加完再乘每个输出的比例
+template <typename Q, int G, int N>
+void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* w, const void* scales, float* out) {
+  const int64_t stride = groups * (QIN / 4) * Q::QUAD;  // 一块几个字节
   vec acc[N][G][LANES];
   for (int n = 0; n < N; ++n)
     for (int g = 0; g < G; ++g)
       for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
   for (int64_t c = 0; c < groups; ++c) {
-    ivec dot[N][G][LANES];  // 这一组的整数和，从 −8·Σ xq 起（权重存的是 q + 8；高 4 位的是 HI 倍）
+    ivec dot[N][G][LANES];  // 这一组的整数和，从 −offset · Σ xq 起
     for (int g = 0; g < G; ++g) {
       const int32_t sum = x.sum[(m0 + g) * groups + c];
       for (int n = 0; n < N; ++n)
-        for (int k = 0; k < LANES; ++k) dot[n][g][k] = ivec{} - (k < HALF ? 8 : 8 * HI) * sum;
+        for (int k = 0; k < LANES; ++k) dot[n][g][k] = ivec{} - Q::offset(k) * sum;
     }
     for (int p = 0; p < QIN / 4; ++p) {
       ivec xs[G];  // 第 g 行这 4 个输入的 int8，广播到每个 int32
@@ -430,57 +467,75 @@ void q4_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* 
         xs[g] = ivec{} + four;
       }
       for (int n = 0; n < N; ++n) {
-        const uint8_t* wn = w + n * stride + (c * QIN / 4 + p) * 2 * BLOCK;
+        const uint8_t* wn = w + n * stride + (c * QIN / 4 + p) * Q::QUAD;
         __builtin_prefetch(wn + 2 * AHEAD * BLOCK);  // 与 bfloat16 提前同样多的字节（4 KB）
         for (int k = 0; k < LANES; ++k) {
-          const ivec wv = nibbles(wn, k);
-          for (int g = 0; g < G; ++g) dot[n][g][k] = dot4(dot[n][g][k], wv, xs[g]);
+          const ivec wv = Q::weights(wn, k);
+          for (int g = 0; g < G; ++g) dot[n][g][k] = Q::dot(dot[n][g][k], wv, xs[g]);
         }
       }
     }
     for (int n = 0; n < N; ++n)
       for (int k = 0; k < LANES; ++k) {
-        const vec sw = load_half(s + (n * groups + c) * BLOCK + k * WIDTH) * (k < HALF ? 1.0f : 1.0f / HI);
+        vec sw = broadcast(1.0f);
+        if constexpr (std::is_same_v<Q, Int4>)
+          sw = load_half(static_cast<const uint16_t*>(scales) + (n * groups + c) * BLOCK + k * WIDTH) * (k < HALF ? 1.0f : 1.0f / HI);
         for (int g = 0; g < G; ++g) {
-          const vec scale = sw * broadcast(x.dx[(m0 + g) * groups + c]);
-          acc[n][g][k] = madd(acc[n][g][k], __builtin_convertvector(dot[n][g][k], vec), scale);
+          const vec dx = broadcast(x.dx[(m0 + g) * groups + c]);
+          acc[n][g][k] = madd(acc[n][g][k], __builtin_convertvector(dot[n][g][k], vec), std::is_same_v<Q, Int4> ? sw * dx : dx);
         }
       }
   }
+  if constexpr (std::is_same_v<Q, Int8>)
+    for (int n = 0; n < N; ++n)
+      for (int k = 0; k < LANES; ++k) {
+        const vec s = load(static_cast<const float*>(scales) + n * BLOCK + k * WIDTH);
+        for (int g = 0; g < G; ++g) acc[n][g][k] = acc[n][g][k] * s;
+      }
   std::memcpy(out, acc, sizeof acc);
 }
 
 // 一组几行。每行要两套累加器（整数的与 float32 的）：AVX-512 上 8 行放不下 32 个寄存器，float32 的那套（每组只用一次）
 // 有几个留在 L1 里；换来的是验证 5 个 token、服务时 8 个请求都只读一遍权重
-constexpr int Q4ROWS = WIDTH == 16 ? 8 : 2;
+constexpr int QROWS = WIDTH == 16 ? 8 : 2;
 
-template <int N, size_t... G>
-std::array<void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const uint16_t*, float*), sizeof...(G)>
-q4_table(std::index_sequence<G...>) {
-  return {&q4_rows<int(G) + 1, N>...};
+template <typename Q, int N, size_t... G>
+std::array<void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const void*, float*), sizeof...(G)>
+int_table(std::index_sequence<G...>) {
+  return {&int_rows<Q, int(G) + 1, N>...};
 }
 
-template <int N>
-void q4_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* w, const uint16_t* s, float* y,
-             int64_t B, int64_t b) {
-  static const auto table = q4_table<N>(std::make_index_sequence<Q4ROWS>{});
-  float acc[N * Q4ROWS * BLOCK];
+// 第 b 块起的比例：int4 每块 [组, 32] 个 float16，int8 每块 32 个 float32
+template <typename Q>
+const void* block_scales(const void* s, int64_t groups, int64_t b) {
+  if constexpr (std::is_same_v<Q, Int4>) return static_cast<const uint16_t*>(s) + b * groups * BLOCK;
+  else return static_cast<const float*>(s) + b * BLOCK;
+}
+
+template <typename Q, int N>
+void int_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* w, const void* s, Out y,
+              int64_t B, int64_t b) {
+  static const auto table = int_table<Q, N>(std::make_index_sequence<QROWS>{});
+  float acc[N * QROWS * BLOCK];
   for (int64_t m = 0, g = 0; m < M; m += g) {
-    g = std::min<int64_t>(M - m, Q4ROWS);
-    table[g - 1](x, m, groups, w + b * groups * QIN * (BLOCK / 2), s + b * groups * BLOCK, acc);
+    g = std::min<int64_t>(M - m, QROWS);
+    table[g - 1](x, m, groups, w + b * groups * (QIN / 4) * Q::QUAD, block_scales<Q>(s, groups, b), acc);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r)
-        std::memcpy(y + (m + r) * B * BLOCK + (b + n) * BLOCK, acc + (n * g + r) * BLOCK, BLOCK * sizeof(float));
+        y.put((m + r) * B * BLOCK + (b + n) * BLOCK, acc + (n * g + r) * BLOCK);
   }
 }
 
-// x [M, in] float32 乘 int4 的块 w（[B, 补齐的 in / 4, 64] 字节）、比例 s [B, 组, 32] float16 → y [M, B·32]
-void matvec_int4(const float* x, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, float* y, int64_t B) {
+// x [M, in] float32 乘量化的块 w（int4 [B, 补齐的 in / 4, 64] 字节与比例 [B, 组, 32] float16；int8 [B, 补齐的 in / 4, 32, 4]
+// 与比例 [B, 32] float32）→ y [M, B·32]
+template <typename Q>
+void matvec_int(const void* x, bool x_bf16, int64_t M, int64_t n_in, const uint8_t* w, const void* s, Out y, int64_t B) {
   const int64_t groups = (n_in + QIN - 1) / QIN;
-  const QuantizedRows xq = quantize_rows(x, M, n_in, groups);
+  const QuantizedRows xq = x_bf16 ? quantize_rows(static_cast<const uint16_t*>(x), M, n_in, groups)
+                                  : quantize_rows(static_cast<const float*>(x), M, n_in, groups);
   // float32 的累加向量只算一半的寄存器：整数的另有同样多
-  const int64_t N = adjacent_blocks(WIDTH == 16 ? 8 : 4, std::min<int64_t>(M, Q4ROWS));
-  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { q4_tile<decltype(n)::value>(xq, M, groups, w, s, y, B, b); });
+  const int64_t N = adjacent_blocks(WIDTH == 16 ? 8 : 4, std::min<int64_t>(M, QROWS));
+  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { int_tile<Q, decltype(n)::value>(xq, M, groups, w, s, y, B, b); });
 }
 
 // 对称的 int4，每个输出每 32 个输入一组（像 llama.cpp 的 Q4_0）：m 是这一组里绝对值最大的那个权重（带符号），
@@ -518,7 +573,7 @@ void quantize_int4(const S* src, int64_t n, int64_t n_in, int64_t row0, uint8_t*
 // kernel.py 用 ctypes 调用的入口：名字里是权重（源）与结果的 dtype
 extern "C" {
 int matvec_width() { return WIDTH; }  // 编出来的向量有几个 float32 宽：16（AVX-512）或 8（AVX2 及别的）
-int matvec_vnni() { return HI == 16; }  // int4 的整数点积是不是一条 vpdpbusd（VNNI）
+int matvec_vnni() { return VNNI; }  // int8、int4 的整数点积是不是一条 vpdpbusd（VNNI）
 int matvec_fma() {                   // 乘加是不是一条 FMA（不是的话先乘、舍入，再加）
 #if defined(__FMA__) || defined(__AVX512F__)
   return 1;
@@ -526,17 +581,21 @@ int matvec_fma() {                   // 乘加是不是一条 FMA（不是的话
   return 0;
 #endif
 }
-void matvec_f32(const float* x, int64_t M, int64_t n_in, const float* w, const float* s, float* y, int64_t B) {
-  matvec(x, M, n_in, w, s, y, B);
+// matvec_*：y_bf16 时结果写成 bfloat16；int8、int4 的 x_bf16 时输入是 bfloat16（否则 float32）
+void matvec_f32(const float* x, int64_t, int64_t M, int64_t n_in, const float* w, const float*, void* y, int64_t B, int64_t y_bf16) {
+  matvec(x, M, n_in, w, Out{y, y_bf16 != 0}, B);
 }
-void matvec_bf16(const float* x, int64_t M, int64_t n_in, const uint16_t* w, const float* s, float* y, int64_t B) {
-  matvec(x, M, n_in, w, s, y, B);
+void matvec_bf16(const float* x, int64_t, int64_t M, int64_t n_in, const uint16_t* w, const float*, void* y, int64_t B,
+                 int64_t y_bf16) {
+  matvec(x, M, n_in, w, Out{y, y_bf16 != 0}, B);
 }
-void matvec_i8(const float* x, int64_t M, int64_t n_in, const int8_t* w, const float* s, float* y, int64_t B) {
-  matvec(x, M, n_in, w, s, y, B);
+void matvec_i8(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const int8_t* w, const float* s, void* y, int64_t B,
+               int64_t y_bf16) {
+  matvec_int<Int8>(x, x_bf16 != 0, M, n_in, reinterpret_cast<const uint8_t*>(w), s, Out{y, y_bf16 != 0}, B);
 }
-void matvec_q4(const float* x, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, float* y, int64_t B) {
-  matvec_int4(x, M, n_in, w, s, y, B);
+void matvec_q4(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, void* y, int64_t B,
+               int64_t y_bf16) {
+  matvec_int<Int4>(x, x_bf16 != 0, M, n_in, w, s, Out{y, y_bf16 != 0}, B);
 }
 void to_blocks_f32_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, float* out) {
   to_blocks(src, n, n_in, row0, out, same);
@@ -557,9 +616,9 @@ void to_pairs_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, uint1
   to_blocks(src, n, n_in, row0, out, float_to_bf16, true);
 }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// x [M, 2P] bfloat16（P 对）乘 Pair 布局的 w [B, P, 32, 2] → y [M, B·32] float32
-void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, float* y, int64_t B) {
-  matvec(reinterpret_cast<const float*>(x), M, P, reinterpret_cast<const Pair*>(w), nullptr, y, B);
+// x [M, 2P] bfloat16（P 对）乘 Pair 布局的 w [B, P, 32, 2] → y [M, B·32] bfloat16
+void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, void* y, int64_t B) {
+  matvec(reinterpret_cast<const float*>(x), M, P, reinterpret_cast<const Pair*>(w), Out{y, true}, B);
 }
 #endif
 void quantize_int4_f32(const float* w, int64_t n, int64_t n_in, int64_t row0, uint8_t* q, uint16_t* scales) {
