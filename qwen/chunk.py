@@ -26,13 +26,16 @@ U'、W、(QKᵀ)⊙Γ 只依赖本块的输入，可以对所有块同时算；�
 over Sequence Length”（NeurIPS 2024）；加上衰减门的版本见第 7 章的 Gated DeltaNet 论文。记号同第 7 章：S 存成 [Dk, Dv]。
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 CHUNK = 64
-# 衰减 e^x 的下限：e^−60 ≈ 9e−27，在 float32 里与别的项相加毫无痕迹。更小的 e^x 是次正规数（subnormal，< 1.2e−38 附近），
-# x86 上乘加它们比正常的数慢十几倍；衰减快的头在一块 64 个 token 里累计的 G 能到 −1000，正好落在这一段。
-TINY = -60.0
+# 衰减 e^x 的下限：e^−40 ≈ 4e−18，在 float32 里（舍入误差 6e−8）与别的项相加毫无痕迹。更小的数乘来乘去会落进次正规数
+# （subnormal，< 1.2e−38），x86 上乘加它们比正常的数慢十几倍；衰减快的头在一块 64 个 token 里累计的 G 能到 −1000。
+# 两个都不小于 e^−40 的数相乘仍是正常的数；(I + A)⁻¹ 里小于它的项同样取 0
+TINY = -40.0
 
 
 def decay(x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +72,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all: bool = False, chunk: i
     # 先解出 (I + A)⁻¹（右端是单位阵，64 列），再乘两个右端 [βV | βK ⊙ e^G]（共 256 列）。直接对 256 列的右端
     # 解三角方程也行，但 LAPACK 把这些 64×64 的小方程组一个一个地解，右端越宽越慢
     inv = torch.linalg.solve_triangular(I_A, eye.expand_as(I_A), upper=False, unitriangular=True)  # [B, H, N, C, C]
+    inv = inv.masked_fill(inv.abs() < math.exp(TINY), 0.0)  # 对角线是 1：这些项乘出来也毫无痕迹，只会带出次正规数
     rhs = torch.cat([v * beta[..., None], kb * decay(G)[..., None]], dim=-1)  # [B, H, N, C, Dv + Dk]
     U_, W = (inv @ rhs).split([v.shape[-1], Dk], -1)
     QK = (q @ k.transpose(-1, -2)) * Gamma  # [B, H, N, C, C]：块内注意力（含衰减）
