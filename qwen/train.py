@@ -228,9 +228,11 @@ def main(argv=None):
 
 
 def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict | None = None,
-                    extra_text_config: dict | None = None, shard_bytes: int = 2 << 30) -> Path:
+                    extra_text_config: dict | None = None, shard_bytes: int = 2 << 30, make=None) -> Path:
     """按发布检查点的布局写出：config.json 嵌套 text_config，张量名 model.language_model.* 与 mtp.*，
-    分片加索引。model、mtp 是去掉前缀的 {名字: 张量}（共用嵌入时不含 lm_head.weight）。"""
+    分片加索引。model、mtp 是去掉前缀的 {名字: 张量}（共用嵌入时不含 lm_head.weight）。
+    make：给了时张量可以是 meta 的（只有形状与 dtype），写到它的分片时才由 make(全名, 张量) 造出来——几十 GB 的
+    随机检查点一个分片一个分片地造，内存里只有一个分片。"""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -248,7 +250,9 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict
     weight_map = {}
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: tensors[k].contiguous() for k in names}, str(path / file), metadata={"format": "pt"})
+        shard = {k: (make(k, tensors[k]) if make else tensors[k]).contiguous() for k in names}
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        del shard
         weight_map.update({k: file for k in names})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -655,3 +655,32 @@ def test_amx_that_traps_is_remembered_and_not_used(tmp_path, monkeypatch):
     crash.chmod(0o755)
     monkeypatch.setattr(kernels.sys, "executable", str(crash))
     assert kernels.amx_usable(lib, so) is False and read_record("amx.json", so.name) is False
+
+
+def test_long_prompt_convolution_in_cpp_equals_the_chapter():
+    """长的提示词（分块形式）的因果卷积在 deltanet.cpp 里一遍算完：输入是 in_proj 输出里的一段（bfloat16、行步长大于
+    通道数），接在别的窗口之后，结果与第 7 章的拼接 + 四次乘加 + SiLU 只差在 float32 的舍入之内（PyTorch 的乘加可能合成
+    FMA），新窗口逐位相同。"""
+    from qwen.deltanet import DeltaNetState, GatedDeltaNet
+    from qwen.fast.layers import FastDeltaNet
+    from qwen.weights import Config
+
+    torch.manual_seed(0)
+    cfg = Config(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, num_hidden_layers=1)
+    plain = GatedDeltaNet(cfg)
+    plain.conv1d.weight.data.normal_()
+    fast = GatedDeltaNet(cfg)
+    fast.load_state_dict(plain.state_dict())
+    fast.__class__, fast.step_kernel = FastDeltaNet, load_matvec()
+    fast.step_consts = (fast.conv1d.weight[:, 0].t().float().contiguous(),)
+    C = 2 * fast.key_dim + fast.value_dim
+    proj = torch.randn(2, 70, C + 40).bfloat16()
+    x = proj[..., :C]  # 一段视图，像 project 切出的 qkv
+    after = DeltaNetState()
+    after.conv = torch.randn(2, cfg.linear_conv_kernel_dim - 1, C)  # 前面已经读过一段
+    with torch.inference_mode():
+        for state in (None, after):
+            got, got_full = fast.causal_conv(x, state)
+            want, want_full = plain.causal_conv(x, state)
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6) and torch.equal(got_full[:, -3:], want_full[:, -3:])

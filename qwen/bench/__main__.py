@@ -11,7 +11,7 @@ import torch
 
 from ..fast import DTYPES
 from ..weights import Config, find_model
-from .checkpoint import random_checkpoint
+from .checkpoint import SIZES, random_checkpoint
 from .llama import find_gguf, run_llama
 from .probe import read_bandwidth
 from .report import VARIANTS, machine, merge_rounds, plot, report
@@ -22,7 +22,8 @@ from .runs import run_qwen, run_transformers
 
 def arguments(argv):
     p = argparse.ArgumentParser(prog="python -m qwen.bench", description="解码、预填充、投机解码与内存的基准测试")
-    p.add_argument("--model", default=None, help="检查点文件夹或 demo；默认按 0.8B 的形状造随机权重")
+    p.add_argument("--model", default=None, help="检查点文件夹或 demo；默认按 --size 的形状造随机权重")
+    p.add_argument("--size", choices=list(SIZES), default="0.8B", help="没给 --model 时随机权重的形状（9B、27B：几十 GB 的临时文件）")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "both"], default="both")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tokens", type=int, default=64, help="每次解码的新 token 数")
@@ -123,8 +124,9 @@ def main(argv=None):
     tmp = None
     if args.model is None:
         tmp = tempfile.TemporaryDirectory(prefix="qwen-bench-")
-        print("按 Qwen3.5-0.8B 的形状造随机权重（bfloat16）…", file=sys.stderr, flush=True)
-        args.model, name = random_checkpoint(tmp.name, Config()), "随机权重，Qwen3.5-0.8B 的形状"
+        print(f"按 Qwen3.5-{args.size} 的形状造随机权重（bfloat16）…", file=sys.stderr, flush=True)
+        args.model = random_checkpoint(tmp.name, Config(**SIZES[args.size]))
+        name = f"随机权重，Qwen3.5-{args.size} 的形状"
     else:
         args.model = find_model(args.model)
         name = str(args.model)

@@ -11,6 +11,17 @@ from ..train import save_checkpoint
 from ..weights import Config
 
 
+# 随机权重的形状（python -m qwen.bench --size）：0.8B 是 Config 的默认值；9B、27B 是同一架构的大尺寸（27B 的全注意力
+# 24 个查询头、4 个键值头，FFN 17408，输出头不与嵌入共用）
+SIZES = {
+    "0.8B": {},
+    "9B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+               num_key_value_heads=4, linear_num_value_heads=32, tie_word_embeddings=False),
+    "27B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                num_key_value_heads=4, linear_num_value_heads=48, tie_word_embeddings=False),
+}
+
+
 def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) -> Path:
     """按 cfg 的形状造随机权重，按发布检查点的布局写到 path（含 mtp.*）。
 
@@ -18,6 +29,7 @@ def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) ->
     down_proj）缩小到 0.1 倍，像训练过的模型那样每层只微调残差。这样贪心续写的 top-1 与 top-2 之间差得远，
     不会被 bfloat16 的舍入（以及验证时一次算几行带来的舍入差异）改变；否则 24 万个随机 logits 几乎打平，
     “贪心续写”本身都不稳定，受控接受率的实验也就无从谈起。速度与权重的取值无关。
+    张量写到哪个分片时才造（save_checkpoint 的 make）：9B、27B 的形状也只占一个分片（2 GB）的内存。
     """
     gen = torch.Generator().manual_seed(seed)
 
@@ -35,10 +47,13 @@ def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) ->
         scale = 0.1 if name.split(".")[-2] in ("o_proj", "out_proj", "down_proj") else 1.0
         return (torch.randn(shape, generator=gen) * (scale / math.sqrt(math.prod(shape[1:])))).to(dtype)
 
+    def make(name, meta):  # 写到它的分片时才造：名字去掉前缀，按同样的规则取值
+        return fill(name.split(".", 2)[-1] if name.startswith("model.") else name[len("mtp."):], meta.shape)
+
     tensors = {}
     for part, cls in (("model", Model), ("mtp", MTP)):
         with torch.device("meta"):
             module = cls(cfg)
-        names = {k: v.shape for k, v in module.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
-        tensors[part] = {k: fill(k, shape) for k, shape in names.items()}
-    return save_checkpoint(path, cfg, tensors["model"], tensors["mtp"])
+        tensors[part] = {k: torch.empty(v.shape, device="meta", dtype=dtype if v.dim() > 1 else torch.float32)
+                         for k, v in module.state_dict().items() if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+    return save_checkpoint(path, cfg, tensors["model"], tensors["mtp"], make=make)

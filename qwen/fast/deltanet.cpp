@@ -21,6 +21,34 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // 同 F.softplus 的阈值 20
 
+inline float value(float v) { return v; }
+inline float value(uint16_t v) {  // bfloat16 就是 float32 的高 16 位
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// 因果深度卷积的一段通道 [c0, c1)：y[c] = Σ_j w[j, c] · x_{t−K+1+j}[c]，j 从 0 到 K−1 依次乘加（最后一项是这个位置的输入）。
+// 第 b 行第 s 个输入：s < 0 时在窗口 conv [B, K−1, C] 里（float32），否则在 x + b·sb + s·ld（float32 或 bfloat16）
+template <typename X>
+void conv_part(const X* x, int64_t sb, int64_t ld, const float* conv, const float* conv_w, int64_t b, int64_t t,
+               int64_t C, int64_t K, int64_t c0, int64_t c1, float* y) {
+  for (int64_t j = 0; j < K; ++j) {
+    const int64_t s = t - K + 1 + j;
+    const float* w = conv_w + j * C;
+    auto add = [&](auto p) {
+      if (j == 0)
+        for (int64_t c = c0; c < c1; ++c) y[c] = value(p[c]) * w[c];
+      else
+        for (int64_t c = c0; c < c1; ++c) y[c] += value(p[c]) * w[c];
+    };
+    if (s < 0) add(conv + (b * (K - 1) + (K - 1 + s)) * C);
+    else add(x + b * sb + s * ld);
+  }
+}
+constexpr int64_t CONV_PART = 512;  // 每次算几个通道：解码一个位置时也分得开给几个线程
+
 // 就地 x ← x / sqrt(mean(x²) + eps / D) · scale，即 l2norm（第 7 章）再乘 scale
 void l2norm(float* x, int64_t D, float scale) {
   float s = 0.0f;
@@ -47,13 +75,13 @@ void deltanet_step(const float* proj, int64_t sb, int64_t ld, int64_t T, const f
   // 第 b 行的第 j 个输入（j < 0 是窗口里的旧输入）
   auto input = [&](int64_t b, int64_t j) { return j < 0 ? conv + (b * (K - 1) + (K - 1 + j)) * C : proj + b * sb + j * ld; };
   std::vector<float> y(BT * C);  // 每个位置卷积 + SiLU 之后的 q、k、v
+  const int64_t parts = (C + CONV_PART - 1) / CONV_PART;
 #pragma omp parallel for schedule(static) if (BT * C >= 4096)  // 几千个 exp：分给各个线程
-  for (int64_t bc = 0; bc < BT * C; ++bc) {  // 因果深度卷积：y = Σ_j w_j · x_{t−K+1+j}，最后一项是这个位置的输入
-    const int64_t bt = bc / C, c = bc % C, b = bt / T, t = bt % T;
-    float acc = input(b, t - K + 1)[c] * conv_w[c];
-    for (int64_t j = 1; j < K - 1; ++j) acc += input(b, t - K + 1 + j)[c] * conv_w[j * C + c];
-    acc += input(b, t)[c] * conv_w[(K - 1) * C + c];
-    y[bc] = silu(acc);
+  for (int64_t i = 0; i < BT * parts; ++i) {
+    const int64_t bt = i / parts, c0 = i % parts * CONV_PART, c1 = std::min(C, c0 + CONV_PART);
+    float* yt = y.data() + bt * C;
+    conv_part(proj, sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, yt);
+    for (int64_t c = c0; c < c1; ++c) yt[c] = silu(yt[c]);
   }
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t j = 0; j < K - 1; ++j)  // 窗口往前挪 T 格
@@ -105,6 +133,22 @@ void deltanet_step(const float* proj, int64_t sb, int64_t ld, int64_t T, const f
       float* oh = out + ((b * T + t) * Hv + h) * Dv;
       for (int64_t j = 0; j < Dv; ++j) oh[j] = o[j] * r * norm_w[j] * silu(z[j]);
     }
+  }
+}
+
+// 长的提示词（分块形式，第 8 章）的卷积：x [B, T, C]（第 b 行第 t 个位置在 x + b·sb + t·ld；x_bf16 时是 bfloat16），窗口
+// conv [B, K−1, C]，conv_w [K, C] → y [B, T, C] float32（还没有 SiLU：调用的人就地做，PyTorch 的 exp 是向量化的）。
+// 一遍读完输入、写一遍输出，不必先拼接、转 float32，再四次乘加各读写一遍 [B, T, C]
+void causal_conv(const void* x, int64_t x_bf16, int64_t sb, int64_t ld, int64_t T, const float* conv, const float* conv_w,
+                 float* y, int64_t B, int64_t C, int64_t K) {
+  const int64_t parts = (C + CONV_PART - 1) / CONV_PART;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < B * T * parts; ++i) {
+    const int64_t bt = i / parts, c0 = i % parts * CONV_PART, c1 = std::min(C, c0 + CONV_PART);
+    if (x_bf16)
+      conv_part(static_cast<const uint16_t*>(x), sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, y + bt * C);
+    else
+      conv_part(static_cast<const float*>(x), sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, y + bt * C);
   }
 }
 }

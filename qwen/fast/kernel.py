@@ -97,6 +97,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "gemm_q4_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
     "deltanet_step": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, PTR,
                       I64, I64, I64, I64, I64, I64],
+    "causal_conv": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, I64, I64, I64],
 }
 
 
@@ -176,6 +177,17 @@ class Kernel:
                                *(c.data_ptr() for c in consts), eps, S.data_ptr(), parts, out.data_ptr(),
                                B, Hk, Hv, Dk, Dv, K)
         return out, window
+
+    def causal_conv(self, x: torch.Tensor, past: torch.Tensor, conv_w: torch.Tensor) -> torch.Tensor:
+        """长的提示词的因果深度卷积（deltanet.cpp）：x [B, T, C] float32 或 bfloat16（最后一维连续，可以是 in_proj 输出的
+        一段），past [B, K−1, C] float32 窗口，conv_w [K, C] → [B, T, C] float32（SiLU 之前）。"""
+        B, T, C = x.shape
+        if x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float().contiguous()
+        y = torch.empty(B, T, C)
+        self.lib.causal_conv(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), x.stride(1), T, past.data_ptr(),
+                             conv_w.data_ptr(), y.data_ptr(), B, C, conv_w.shape[0])
+        return y
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., D] → float32 的 x / sqrt(mean(x²) + eps) · scale（norm.cpp），每行各算各的。"""

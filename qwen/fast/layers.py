@@ -167,6 +167,17 @@ class FastDeltaNet(GatedDeltaNet):
             return super().forward(x, state, valid, rule)
         return self.step(x, state)
 
+    def causal_conv(self, x, state):
+        """长的提示词（分块形式）：卷积在 deltanet.cpp 里一遍算完（不拼接、不先转 float32），SiLU 就地做；与第 7 章差在
+        float32 的舍入之内。求导、记历史（要完整的输入）或没有 C++ 内核时照第 7 章。"""
+        if self.step_kernel is None or torch.is_grad_enabled() or (state is not None and state.keep_history):
+            return super().causal_conv(x, state)
+        B, T, C = x.shape
+        past = state.conv if state is not None and state.conv is not None else None
+        past = past.float().contiguous() if past is not None else x.new_zeros(B, self.kernel - 1, C, dtype=torch.float32)
+        y = self.step_kernel.causal_conv(x, past, self.step_consts[0])  # [B, T, C]
+        return F.silu(y, inplace=True), torch.cat([past, x[:, -(self.kernel - 1):].float()], dim=1)  # 只用到最后 K−1 个输入
+
     def step(self, x, state):
         """x [B, T, hidden]，T ≤ STEP_ROWS：投影一次，deltanet.cpp 逐个位置地走（mix），最后 out_proj。"""
         o = self.mix(self.in_proj(x).float().contiguous(), state)  # [B, T, Hv·Dv]
