@@ -237,7 +237,7 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {"model.language_model." + k: v for k, v in model.items()}
+    tensors = {k if k == "lm_head.weight" else "model.language_model." + k: v for k, v in model.items()}  # 输出头在顶层
     tensors.update({"mtp." + k: v for k, v in (mtp or {}).items()})
     shards, size = [[]], 0
     for name in sorted(tensors):

@@ -110,7 +110,8 @@ def combine(qs, cs, hs, ls, gguf) -> dict:
         run["greedy_agreement"] = sum(a == b for a, b in zip(q["plain_tokens"], h["tokens"])) / len(h["tokens"])
         del h["tokens"]
     if ls:  # 各轮里最快的那次
-        run["llama_cpp"] = dict(type=ls[0]["type"], file=str(gguf), decode_tok_s=max(x["decode_tok_s"] for x in ls),
+        run["llama_cpp"] = dict(type=ls[0]["type"], file=str(gguf), fallback=ls[0].get("fallback"),
+                                decode_tok_s=max(x["decode_tok_s"] for x in ls),
                                 prefill_tok_s=max(x["prefill_tok_s"] for x in ls),
                                 decode_rounds=[x["decode_tok_s"] for x in ls], prefill_rounds=[x["prefill_tok_s"] for x in ls])
     del q["plain_tokens"]

@@ -47,8 +47,8 @@ def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) ->
         scale = 0.1 if name.split(".")[-2] in ("o_proj", "out_proj", "down_proj") else 1.0
         return (torch.randn(shape, generator=gen) * (scale / math.sqrt(math.prod(shape[1:])))).to(dtype)
 
-    def make(name, meta):  # 写到它的分片时才造：名字去掉前缀，按同样的规则取值
-        return fill(name.split(".", 2)[-1] if name.startswith("model.") else name[len("mtp."):], meta.shape)
+    def make(name, meta):  # 写到它的分片时才造：名字去掉前缀（model.language_model.、mtp.），按同样的规则取值
+        return fill(name.removeprefix("model.language_model.").removeprefix("mtp."), meta.shape)
 
     tensors = {}
     for part, cls in (("model", Model), ("mtp", MTP)):
