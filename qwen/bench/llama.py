@@ -31,7 +31,8 @@ def run_llama(args, gguf: Path) -> dict | None:
             if p.returncode < 0:  # 被信号杀死：虚拟机上 llama.cpp 重排过的权重读提示词（AMX 的块指令）会 SIGILL/SIGSEGV
                 # 解码：不带上下文再测（一个 token 一个 token 地走，不碰块指令，仍是它最快的重排路径）；预填充：只能关掉重排
                 retry = ["-d", "0"] if key == "decode_tok_s" else ["--repack", "0"]
-                p = subprocess.run(cmd + retry, capture_output=True, text=True)
+                again = cmd[:-2] + retry if key == "decode_tok_s" else cmd + retry  # 解码：换掉最后的 -d PROMPT_LEN
+                p = subprocess.run(again, capture_output=True, text=True)
                 out.setdefault("fallback", []).append(" ".join(retry))
             out[key] = json.loads(p.stdout)[0]["avg_ts"]
             out["type"] = json.loads(p.stdout)[0]["model_type"]
