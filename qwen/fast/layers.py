@@ -173,8 +173,8 @@ class FastDeltaNet(GatedDeltaNet):
         if self.step_kernel is None or torch.is_grad_enabled() or (state is not None and state.keep_history):
             return super().causal_conv(x, state)
         B, T, C = x.shape
-        past = state.conv if state is not None and state.conv is not None else None
-        past = past.float().contiguous() if past is not None else x.new_zeros(B, self.kernel - 1, C, dtype=torch.float32)
+        has_past = state is not None and state.conv is not None
+        past = state.conv.float().contiguous() if has_past else x.new_zeros(B, self.kernel - 1, C, dtype=torch.float32)
         y = self.step_kernel.causal_conv(x, past, self.step_consts[0])  # [B, T, C]
         return F.silu(y, inplace=True), torch.cat([past, x[:, -(self.kernel - 1):].float()], dim=1)  # 只用到最后 K−1 个输入
 
