@@ -47,11 +47,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, state=None, valid=None):
         """x [B, T, hidden] float32；cos、sin 来自 rope_tables；state 是本层的缓存；valid [B, L] 标出真实 token。"""
-        h = self.input_layernorm(x).to(self.dtype)
-        if self.layer_type == "linear_attention":
-            T = x.shape[1]
-            h = self.linear_attn(h, state, None if valid is None else valid[:, -T:], rule=self.delta_rule(T))
-        else:
-            h = self.self_attn(h, cos, sin, state, valid)
-        x = x + h.float()  # 分支先转成 float32 再加：与混合 dtype 的加法结果相同
+        x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()  # 分支先转成 float32 再加
         return x + self.mlp(self.post_attention_layernorm(x).to(self.dtype)).float()
+
+    def mixer(self, h, cos, sin, state=None, valid=None):
+        """归一化之后的 h [B, T, hidden]（权重的 dtype）过这一层的混合器。"""
+        if self.layer_type == "linear_attention":
+            T = h.shape[1]
+            return self.linear_attn(h, state, None if valid is None else valid[:, -T:], rule=self.delta_rule(T))
+        return self.self_attn(h, cos, sin, state, valid)

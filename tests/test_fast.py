@@ -54,13 +54,17 @@ def blocked_model(tiny):
     return model
 
 
-def test_layers_of_several_requests_at_once_equal_each_alone(blocked_model):
+@pytest.mark.parametrize("dtype,quantize", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"),
+                                            (torch.bfloat16, "int4")])
+def test_layers_of_several_requests_at_once_equal_each_alone(tiny, dtype, quantize):
     """服务时几个请求的同一层一次算完（forward_many，附录 qwen/serve）：解码的 1 个 token、验证的 3 个（记历史）、
-    短提示词的 7 个拼在一起，每个请求每一层的输出与它单独前向时逐位相同，之后的状态也是。"""
+    短提示词的 7 个拼在一起，每个请求每一层的输出与它单独前向时逐位相同，之后的状态也是。单独前向时 DeltaNet 层整层
+    一次 layer.cpp 的调用，拼在一起时逐个运算地调用同样的内核：两者也逐位相同。"""
     from qwen.attention import AttentionState
     from qwen.cache import copy_state, keep_history
 
-    model, lengths = blocked_model, [1, 3, 7, 1]
+    model, lengths = load_model(tiny[0], dtype=dtype, quantize=quantize), [1, 3, 7, 1]
+    assert all(layer.block is not None for layer in model.layers)  # 单独前向走 layer.cpp
     with torch.inference_mode():
         states = [State(model) for _ in lengths]
         for i, state in enumerate(states[:-1]):  # 最后一个请求从头开始（还没有状态）

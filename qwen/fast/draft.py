@@ -8,7 +8,7 @@
 import torch
 
 from ..mtp import MTP
-from .layers import DECODE_LENGTHS, speed_up_layer, speed_up_norms
+from .layers import DECODE_LENGTHS, attach_blocks, speed_up_layer, speed_up_norms
 from .linear import COMPILE_OPTIONS, BlockedLinear, fast_linear, gemv
 from .rows import FileRows, RowReader, head_tensor, tensor_file
 from .step import cache_offsets
@@ -56,6 +56,8 @@ def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None, graphs: bool = Fals
     mtp.fc = fast_linear([mtp.fc], kernel, quantize, dtype)
     speed_up_layer(mtp.layers[0], kernel, quantize, dtype)
     speed_up_norms(mtp, kernel if not graphs else None)
+    if kernel is not None and not graphs:
+        attach_blocks(mtp)
     mtp.__class__ = FastMTP
     mtp.draft_ids, mtp.draft_note = vocab
     mtp.draft_cost = (PACKED_COST if kernel is None else BLOCKED_COST) / mtp.cfg.num_hidden_layers

@@ -28,7 +28,7 @@ import torch
 
 from .records import read_record, record_file, write_record
 
-SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp")]  # 编进同一个 .so
+SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp", "layer.cpp")]  # 编进同一个 .so
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
 QGROUP = 32  # int4：每个输出每这么多个输入一个比例（与 matvec.cpp 相同）
@@ -98,7 +98,23 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "deltanet_step": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, PTR,
                       I64, I64, I64, I64, I64, I64],
     "causal_conv": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, I64, I64, I64],
+    "mlp_block": [PTR, PTR, PTR, I64],
+    "delta_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR],
 }
+
+
+class Lin(ctypes.Structure):
+    """layer.cpp 的 Lin：一个分块布局的矩阵。kind：0 float32 块、1 bfloat16 块、2 一对一对的 bfloat16、3 int8、4 int4。"""
+    _fields_ = [("kind", I64), ("blocks", I64), ("n_in", I64), ("n_out", I64), ("w", PTR), ("s", PTR)]
+
+
+class LayerParams(ctypes.Structure):
+    """layer.cpp 的 Layer：一个解码层的常量（layers.py 的 layer_params 填一次）。指针指向层里的张量：层在，它们就在。"""
+    F32 = ctypes.c_float
+    _fields_ = [("bf16", I64), ("hidden", I64), ("inter", I64), ("eps1", F32), ("eps2", F32), ("gate_eps", F32),
+                ("norm1", PTR), ("norm2", PTR), ("in_proj", Lin), ("out_proj", Lin), ("gate_up", Lin), ("down", Lin),
+                ("conv_w", PTR), ("neg_A", PTR), ("dt_bias", PTR), ("norm_w", PTR),
+                ("Hk", I64), ("Hv", I64), ("Dk", I64), ("Dv", I64), ("K", I64)]
 
 
 class Kernel:
@@ -188,6 +204,23 @@ class Kernel:
         self.lib.causal_conv(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), x.stride(1), T, past.data_ptr(),
                              conv_w.data_ptr(), y.data_ptr(), B, C, conv_w.shape[0])
         return y
+
+    def mlp_block(self, params: LayerParams, x: torch.Tensor) -> torch.Tensor:
+        """一层的 MLP 那一半（layer.cpp）：x [..., hidden] float32 → x + down(act(gate_up(norm(x))))，每行各算各的。"""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.lib.mlp_block(ctypes.byref(params), x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1])
+        return out
+
+    def delta_layer(self, params: LayerParams, x, conv, S, history: list | None, proj: torch.Tensor | None):
+        """DeltaNet 层的一整层（layer.cpp）：x [B, T, hidden] float32，conv、S、history 同 deltanet_step；proj：None，或
+        [B, T, in_proj 的输出] float32，写下 in_proj 的输出 → (这一层的输出 [B, T, hidden], 新窗口 [B, K−1, C])。"""
+        (B, T, _), x = x.shape, x.contiguous()
+        out, window = torch.empty_like(x), torch.empty_like(conv)
+        parts = None if history is None else (ctypes.c_void_p * max(T - 1, 1))(*(h.data_ptr() for h in history))
+        self.lib.delta_layer(ctypes.byref(params), x.data_ptr(), out.data_ptr(), B, T, conv.data_ptr(), window.data_ptr(),
+                             S.data_ptr(), parts, None if proj is None else proj.data_ptr())
+        return out, window
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., D] → float32 的 x / sqrt(mean(x²) + eps) · scale（norm.cpp），每行各算各的。"""

@@ -24,7 +24,8 @@ from ..layer import DecoderLayer
 from ..mlp import MLP
 from ..norm import RMSNorm, rms
 from ..model import Model
-from .linear import fast_linear
+from .kernel import LayerParams, Lin
+from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
 
 DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
@@ -185,22 +186,40 @@ class FastDeltaNet(GatedDeltaNet):
 
     def mix(self, proj, state):
         """投影之后、out_proj 之前的一段：proj [B, T, C + Hv·Dv + 2Hv]（qkv、z、b、a，连续存放的 float32）→ [B, T, Hv·Dv]。
-        一次 deltanet.cpp 的调用走完这 T 个位置：每个位置的卷积、归一化、门、递推、门控 RMSNorm 与单独解码它时一样。
-        与第 7 章同样的状态：卷积窗口、记忆 S；记历史（keep_history）时每个位置之后的 S 各留一份（最后一个位置的就是
-        新的 S），窗口从完整的卷积输入里切。"""
+        一次 deltanet.cpp 的调用走完这 T 个位置：每个位置的卷积、归一化、门、递推、门控 RMSNorm 与单独解码它时一样。"""
         B, T, _ = proj.shape
-        K, C = self.kernel, 2 * self.key_dim + self.value_dim
-        Hv, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
-        dims = (self.num_k_heads, Hv, Dk, Dv, K)
-        # C++ 按连续存放的 float32 读写这两块（章节里的状态本来就是，这里不过是保证）
-        past = state.conv.float().contiguous() if state.conv is not None else proj.new_zeros(B, K - 1, C)
-        S = state.S.float().contiguous() if state.S is not None else proj.new_zeros(B, Hv, Dk, Dv)
-        history = [torch.empty_like(S) for _ in range(T - 1)] if state.keep_history else None
+        past, S, history = self.step_state(state, B, T)
+        dims = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.kernel)
         out, conv = self.step_kernel.deltanet_step(proj, past, self.step_consts, self.norm.eps, S, dims, history)
-        if state.keep_history:
-            state.history = (torch.cat([past, proj[..., :C]], dim=1), [*history, S])  # 同第 7 章：(完整卷积输入, 每个位置之后的 S)
-        state.conv, state.S = conv, S
+        self.keep_state(state, past, proj, S, history, conv)
         return out  # [B, T, Hv·Dv]
+
+    def whole_layer(self, layer, x, state):
+        """整个解码层（归一化、in_proj、这一段、out_proj、残差，再加上 MLP 那一半）一次 layer.cpp 的调用：x [B, T, hidden]
+        float32 → 这一层的输出。与 forward_many 逐个运算地调用同样的内核逐位相同。"""
+        B, T, _ = x.shape
+        past, S, history = self.step_state(state, B, T)
+        proj = torch.empty(B, T, self.in_proj.out_features) if state.keep_history else None
+        out, conv = self.step_kernel.delta_layer(layer.block, x, past, S, history, proj)
+        self.keep_state(state, past, proj, S, history, conv)
+        return out
+
+    def step_state(self, state, B: int, T: int):
+        """C++ 读写的状态（章节里的状态本来就是连续存放的 float32，这里不过是保证）：(卷积窗口 [B, K−1, C], 记忆 S，
+        记历史时前 T−1 个位置之后的 S 各一块缓冲区，否则 None)。"""
+        C = 2 * self.key_dim + self.value_dim
+        past = state.conv.float().contiguous() if state.conv is not None else torch.zeros(B, self.kernel - 1, C)
+        S = state.S.float().contiguous() if state.S is not None else \
+            torch.zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        return past, S, [torch.empty_like(S) for _ in range(T - 1)] if state.keep_history else None
+
+    def keep_state(self, state, past, proj, S, history, conv) -> None:
+        """与第 7 章同样的状态：卷积窗口、记忆 S；记历史（keep_history）时每个位置之后的 S 各留一份（最后一个位置的就是
+        新的 S），窗口从完整的卷积输入里切。"""
+        if state.keep_history:
+            C = past.shape[-1]
+            state.history = (torch.cat([past, proj[..., :C]], dim=1), [*history, S])  # (完整卷积输入, 每个位置之后的 S)
+        state.conv, state.S = conv, S
 
     def project(self, x):
         return self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # 四个输入投影拼成一个矩阵
@@ -232,6 +251,7 @@ class PackedModel(PaddedRows, Model):
 
 class FastDecoderLayer(DecoderLayer):
     rows = None  # 服务时（qwen/serve/batcher.py 的 RowBatcher）：几个请求的同一层拼成一次 forward_many
+    block = None  # 分块布局、不编译图时：layer.cpp 要的这一层的常量（layer_params 填的 LayerParams）
 
     @property
     def dtype(self) -> torch.dtype:
@@ -241,9 +261,16 @@ class FastDecoderLayer(DecoderLayer):
         return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
 
     def forward(self, x, cos, sin, state=None, valid=None):
+        """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导）且有 layer.cpp 的常量时：DeltaNet 层整层一次 C
+        调用（whole_layer），注意力层的混合器照第 9 章、MLP 那一半一次 C 调用（mlp_block）；其余照第 9 章。"""
         if self.rows is not None and self.rows.joined() and self.can_share(x, state, valid):
             return self.rows.layer(self, x, cos, sin, state)
-        return super().forward(x, cos, sin, state, valid)
+        if self.block is None or x.shape[1] > STEP_ROWS or torch.is_grad_enabled():
+            return super().forward(x, cos, sin, state, valid)
+        if self.layer_type == "linear_attention" and state is not None and valid is None:
+            return self.linear_attn.whole_layer(self, x, state)
+        x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
+        return self.mlp.down_proj.kernel.mlp_block(self.block, x)
 
     def can_share(self, x, state, valid) -> bool:
         """这一层的这次前向能不能与别的请求拼在一起（forward_many）：一个序列、不多于 STEP_ROWS 个 token（DeltaNet 层走
@@ -269,6 +296,8 @@ class FastDecoderLayer(DecoderLayer):
             outs = [mixer.mix(*y.split(mixer.qkv_sizes, dim=-1), cos, sin, state)
                     for y, (_, cos, sin, state) in zip(qkv, parts)]
         x = x + out_proj.matvec(join(outs).to(self.dtype)).float()
+        if self.block is not None:  # 与 forward 里的同一个 C 调用，每行各算各的
+            return apart(self.mlp.down_proj.kernel.mlp_block(self.block, x), sizes)
         gate_up = apart(self.mlp.gate_up.matvec(self.post_attention_layernorm(x).to(self.dtype)), sizes)
         act = join([self.mlp.act(y) for y in gate_up])  # [1, ΣT, intermediate]
         x = x + self.mlp.down_proj.matvec(act).float()
@@ -313,3 +342,38 @@ def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) 
         mixer.step_kernel = kernel
         mixer.step_consts = tuple(t.detach().float().contiguous() for t in (
             mixer.conv1d.weight[:, 0].t(), -mixer.A_log.exp(), mixer.dt_bias, mixer.norm.weight))
+
+
+def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
+    """layer.cpp 要的这一层的常量；矩阵不全是分块布局、带偏置、模型不是 bfloat16 或 float32，或归一化不走 C++ 时 None
+    （这一层照逐个运算的路径走）。"""
+    mixer = layer.linear_attn if layer.layer_type == "linear_attention" else None
+    linears = [layer.mlp.gate_up, layer.mlp.down_proj] + ([mixer.in_proj, mixer.out_proj] if mixer is not None else [])
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if layer.dtype not in (torch.bfloat16, torch.float32) or any(getattr(n, "step_kernel", None) is None for n in norms) \
+            or any(not isinstance(m, BlockedLinear) or m.bias is not None or m.blocks.dim() == 4 and m.in_features % 2
+                   for m in linears):
+        return None
+    p = LayerParams(bf16=layer.dtype == torch.bfloat16, hidden=layer.mlp.down_proj.out_features,
+                    inter=layer.mlp.down_proj.in_features, eps1=norms[0].eps, eps2=norms[1].eps,
+                    norm1=norms[0].scale.data_ptr(), norm2=norms[1].scale.data_ptr(),
+                    gate_up=lin(layer.mlp.gate_up), down=lin(layer.mlp.down_proj))
+    if mixer is not None:
+        p.in_proj, p.out_proj, p.gate_eps = lin(mixer.in_proj), lin(mixer.out_proj), mixer.norm.eps
+        p.conv_w, p.neg_A, p.dt_bias, p.norm_w = (c.data_ptr() for c in mixer.step_consts)
+        p.Hk, p.Hv, p.Dk, p.Dv, p.K = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.kernel
+    return p
+
+
+def lin(m: BlockedLinear) -> Lin:
+    """layer.cpp 的 Lin：种类（0 float32 块、1 bfloat16 块、2 一对一对的 bfloat16、3 int8、4 int4）、块数、形状与指针。"""
+    kind = {torch.float32: 0, torch.int8: 3, torch.uint8: 4}.get(m.blocks.dtype, 2 if m.blocks.dim() == 4 else 1)
+    return Lin(kind, m.blocks.shape[0], m.in_features, m.out_features, m.blocks.data_ptr(),
+               None if m.scales is None else m.scales.data_ptr())
+
+
+def attach_blocks(module) -> None:
+    """module 里分块布局的每个解码层填上 layer.cpp 的常量（换完布局、归一化之后调用；编译图时不调用）。"""
+    for m in module.modules():
+        if isinstance(m, FastDecoderLayer):
+            m.block = layer_params(m)

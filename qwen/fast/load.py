@@ -20,7 +20,7 @@ from ..mtp import MTP
 from ..vocab import draft_vocabulary
 from ..weights import find_model, load_config, load_weights
 from .draft import speed_up_mtp
-from .layers import COMPILED_PIECE, DECODE_LENGTHS, PackedModel, speed_up_layer, speed_up_norms
+from .layers import COMPILED_PIECE, DECODE_LENGTHS, PackedModel, attach_blocks, speed_up_layer, speed_up_norms
 from .linear import BlockedLinear, PackedLinear, can_compile, can_pack, fast_linear, load_matvec
 from .rows import FileEmbedding, FileRows, RowReader, head_tensor, materialize, meta_tensor, tensor_file
 from .step import FastModel
@@ -134,6 +134,7 @@ def speedup(model: Model, path, layout: str, quantize=None) -> Model:
     model.__class__ = PackedModel if kernel is None else FastModel
     if kernel is not None:
         model.piece = COMPILED_PIECE
+        attach_blocks(model)  # 解码一层几次 C 调用（layer.cpp）；compile_steps 再拿掉（图里用 PyTorch 的运算）
     if layout == "graphs":  # 解码一步（全部层）编译成图：解码一个 token、验证几个草稿
         model.compile_steps(DECODE_LENGTHS)
     return model

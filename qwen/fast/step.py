@@ -20,7 +20,7 @@ from ..attention import AttentionState
 from ..deltanet import DeltaNetState
 from ..layer import DecoderLayer
 from ..rope import rope_tables
-from .layers import FastDeltaNet, FastRMSNorm, PackedModel
+from .layers import FastDecoderLayer, FastDeltaNet, FastRMSNorm, PackedModel
 from .linear import STEP_OPTIONS
 
 
@@ -64,9 +64,11 @@ class FastModel(PackedModel):
 
     def compile_steps(self, lengths) -> None:
         self.step_lengths = tuple(lengths)
-        for m in self.modules():  # 图里的 DeltaNet 层、RMSNorm 用 PyTorch 的运算（C++ 的 deltanet_step、rms_norm 进不了图）；
-            if isinstance(m, (FastDeltaNet, FastRMSNorm)):  # 图外也一样：同一个位置在图里、图外算的是同一串运算
-                m.step_kernel = None
+        for m in self.modules():  # 图里的 DeltaNet 层、RMSNorm、MLP 用 PyTorch 的运算（C++ 的 deltanet_step、rms_norm、
+            if isinstance(m, (FastDeltaNet, FastRMSNorm)):  # layer.cpp 进不了图）；图外也一样：同一个位置在图里、图外
+                m.step_kernel = None  # 算的是同一串运算
+            if isinstance(m, FastDecoderLayer):
+                m.block = None
         # 每个模型每种长度、记不记历史各一张图，都挂在同一个函数（decode_step）上；torch 默认一个函数最多 8 张，
         # 超了就悄悄不编译、逐个算子地跑（结果不再逐位相同）。一个进程里加载几个模型（测试、笔记本）也够用
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
