@@ -28,7 +28,8 @@ import torch
 
 from .records import read_record, record_file, write_record
 
-SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp", "layer.cpp")]  # 编进同一个 .so
+SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp", "attention.cpp",
+                                                 "layer.cpp")]  # 编进同一个 .so
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
 QGROUP = 32  # int4：每个输出每这么多个输入一个比例（与 matvec.cpp 相同）
@@ -100,6 +101,9 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "causal_conv": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, I64, I64, I64],
     "mlp_block": [PTR, PTR, PTR, I64],
     "delta_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR],
+    "attention_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, I64, I64, PTR, PTR, I64, I64],
+    "attention_step": [PTR, I64, I64, I64, I64, PTR, PTR, I64, I64, PTR, PTR, ctypes.c_float, PTR, PTR, I64, I64,
+                       I64, I64, I64, PTR],
 }
 
 
@@ -114,7 +118,8 @@ class LayerParams(ctypes.Structure):
     _fields_ = [("bf16", I64), ("hidden", I64), ("inter", I64), ("eps1", F32), ("eps2", F32), ("gate_eps", F32),
                 ("norm1", PTR), ("norm2", PTR), ("in_proj", Lin), ("out_proj", Lin), ("gate_up", Lin), ("down", Lin),
                 ("conv_w", PTR), ("neg_A", PTR), ("dt_bias", PTR), ("norm_w", PTR),
-                ("Hk", I64), ("Hv", I64), ("Dk", I64), ("Dv", I64), ("K", I64)]
+                ("Hk", I64), ("Hv", I64), ("Dk", I64), ("Dv", I64), ("K", I64),
+                ("q_scale", PTR), ("k_scale", PTR), ("H", I64), ("Hkv", I64), ("D", I64)]
 
 
 class Kernel:
@@ -221,6 +226,29 @@ class Kernel:
         self.lib.delta_layer(ctypes.byref(params), x.data_ptr(), out.data_ptr(), B, T, conv.data_ptr(), window.data_ptr(),
                              S.data_ptr(), parts, None if proj is None else proj.data_ptr())
         return out, window
+
+    def attention_layer(self, params: LayerParams, x, cos, sin, state) -> torch.Tensor:
+        """注意力层的一整层（layer.cpp）：x [B, T, hidden] float32，cos、sin [T, rot] 或 [B, T, rot]，state 是这一层的
+        AttentionState（缓冲区已留够位置，这 T 个写在 state.length 之后）→ 这一层的输出。"""
+        (B, T, _), x = x.shape, x.contiguous()
+        out, (cos, sin) = torch.empty_like(x), (t.float().contiguous() for t in (cos, sin))
+        self.lib.attention_layer(ctypes.byref(params), x.data_ptr(), out.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(),
+                                 T * cos.shape[-1] if cos.dim() == 3 else 0, cos.shape[-1], state.k_buf.data_ptr(),
+                                 state.v_buf.data_ptr(),
+                                 state.k_buf.shape[2], state.length)
+        return out
+
+    def attention_step(self, params: LayerParams, qkv, cos, sin, state) -> torch.Tensor:
+        """注意力层投影之后、o_proj 之前的一段（attention.cpp）：qkv [B, T, ·]（模型的 dtype，最后一维连续），其余同
+        attention_layer → 乘过输出门的结果 [B, T, H·D] float32。"""
+        B, T, _ = qkv.shape
+        qkv = qkv if qkv.stride(-1) == 1 and qkv.stride(0) == T * qkv.stride(1) else qkv.contiguous()
+        out, (cos, sin) = torch.empty(B, T, params.H * params.D), (t.float().contiguous() for t in (cos, sin))
+        self.lib.attention_step(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(1), B, T, cos.data_ptr(),
+                                sin.data_ptr(), T * cos.shape[-1] if cos.dim() == 3 else 0, cos.shape[-1], params.q_scale,
+                                params.k_scale, params.gate_eps, state.k_buf.data_ptr(), state.v_buf.data_ptr(),
+                                state.k_buf.shape[2], state.length, params.H, params.Hkv, params.D, out.data_ptr())
+        return out
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., D] → float32 的 x / sqrt(mean(x²) + eps) · scale（norm.cpp），每行各算各的。"""

@@ -4,6 +4,7 @@
 // 各写成一串 C 调用（公式见第 9 章 layer.py、第 4 章 mlp.py）：
 //     mlp_block：  x + down(act(gate_up(norm(x))))                       act(g, u) = silu(g) · u
 //     delta_layer：x ← x + out_proj(deltanet(in_proj(norm(x))))，再接上 mlp_block 的那一半
+//     attention_layer：同上，混合器换成注意力（attention.cpp，KV 缓存由调用的人留够位置）
 // 里面调用的正是 matvec.cpp、deltanet.cpp、norm.cpp 的入口，每一步的舍入与 Python 里一个运算一个运算地调用它们时相同：
 // 归一化之后转成模型的 dtype（bfloat16 就近舍入到偶数，与 .to(torch.bfloat16) 相同），矩阵乘法的结果是模型的 dtype，
 // 残差流是 float32。所以服务时几个请求拼在一起的 forward_many（layers.py，逐个运算地调用这些内核）与单独解码的这一串
@@ -31,6 +32,9 @@ void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, vo
 void deltanet_step(const float* proj, int64_t sb, int64_t ld, int64_t T, const float* conv, float* conv_out,
                    const float* conv_w, const float* neg_A, const float* dt_bias, const float* norm_w, float eps, float* S,
                    float* const* history, float* out, int64_t B, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K);
+void attention_step(const void* qkv, int64_t qkv_bf16, int64_t ld, int64_t B, int64_t T, const float* cos, const float* sin,
+                    int64_t cs_b, int64_t rot, const float* q_scale, const float* k_scale, float eps, float* k_buf,
+                    float* v_buf, int64_t cap, int64_t length, int64_t H, int64_t Hkv, int64_t D, float* out);
 }
 
 namespace {
@@ -45,11 +49,13 @@ struct Lin {
 // 一层的常量（kernel.py 的 LayerParams，换布局之后填一次）：bf16 是模型的 dtype 是不是 bfloat16
 struct Layer {
   int64_t bf16, hidden, inter;
-  float eps1, eps2, gate_eps;
+  float eps1, eps2, gate_eps;  // gate_eps：DeltaNet 的门控 RMSNorm，注意力层的 q_norm、k_norm
   const float *norm1, *norm2;  // 两个 RMSNorm 的 1 + w
   Lin in_proj, out_proj, gate_up, down;
   const float *conv_w, *neg_A, *dt_bias, *norm_w;  // DeltaNet 层的四个常量（注意力层不用）
   int64_t Hk, Hv, Dk, Dv, K;
+  const float *q_scale, *k_scale;  // 注意力层（in_proj、out_proj 是 qkv 与 o_proj）：q_norm、k_norm 的 1 + w
+  int64_t H, Hkv, D;               // 查询头、键值头、头的维数（H = 0：这一层不走 attention.cpp）
 };
 
 inline float bf16_value(uint16_t h) {
@@ -139,6 +145,14 @@ void mlp_half(const Layer& p, const float* x, int64_t M, float* out) {
   add_rows(x, linear(p.down, a, M), M * p.hidden, out);
 }
 
+// 混合器的输出 o [M, ·] float32 之后：out = mlp 那一半(x + out_proj(o.to(dtype)))
+void mixer_out(const Layer& p, const float* x, const std::vector<float>& o, int64_t M, float* out) {
+  Rows om = model_rows(p.bf16, o.data(), int64_t(o.size()));
+  std::vector<float> mid(M * p.hidden);
+  add_rows(x, linear(p.out_proj, om, M), M * p.hidden, mid.data());
+  mlp_half(p, mid.data(), M, out);
+}
+
 }  // namespace
 
 extern "C" {
@@ -160,9 +174,20 @@ void delta_layer(const Layer* lp, const float* x, float* out, int64_t B, int64_t
   if (proj_out) std::memcpy(proj_out, pf.data(), M * P * sizeof(float));
   deltanet_step(pf.data(), T * P, P, T, conv, conv_out, p.conv_w, p.neg_A, p.dt_bias, p.norm_w, p.gate_eps, S, history,
                 o.data(), B, p.Hk, p.Hv, p.Dk, p.Dv, p.K);
-  Rows om = model_rows(p.bf16, o.data(), M * p.Hv * p.Dv);
-  std::vector<float> mid(M * p.hidden);
-  add_rows(x, linear(p.out_proj, om, M), M * p.hidden, mid.data());
-  mlp_half(p, mid.data(), M, out);
+  mixer_out(p, x, o, M, out);
+}
+
+// 注意力层的一整层：x [B, T, hidden] float32 → out。cos、sin、cs_b、rot、k_buf、v_buf、cap、length 同 attention.cpp 的
+// attention_step（调用的人已给缓存留够位置）
+void attention_layer(const Layer* lp, const float* x, float* out, int64_t B, int64_t T, const float* cos, const float* sin,
+                     int64_t cs_b, int64_t rot, float* k_buf, float* v_buf, int64_t cap, int64_t length) {
+  const Layer& p = *lp;
+  const int64_t M = B * T;
+  Rows h = normed(x, M, p.hidden, p.norm1, p.eps1, p.bf16);
+  Rows qkv = linear(p.in_proj, h, M);
+  std::vector<float> o(M * p.H * p.D);
+  attention_step(qkv.data(), qkv.bf16, p.in_proj.n_out, B, T, cos, sin, cs_b, rot, p.q_scale, p.k_scale, p.gate_eps,
+                 k_buf, v_buf, cap, length, p.H, p.Hkv, p.D, o.data());
+  mixer_out(p, x, o, M, out);
 }
 }

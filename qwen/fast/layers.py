@@ -157,6 +157,22 @@ class FastAttention(Attention):
         return attend_cache(q, *state.append(k, v))
 
 
+    def can_step(self, state, valid) -> bool:
+        """attention.cpp 接不接得下：有缓存、没有左填充，缓存是连续存放的 float32（章节里的缓存本来就是）。"""
+        return state is not None and valid is None and getattr(state, "offset", None) is None and \
+            (state.k_buf is None or state.k_buf.dtype == torch.float32 and state.k_buf.is_contiguous()
+             and state.v_buf.is_contiguous())
+
+    def step(self, params, qkv, cos, sin, state):
+        """投影之后、o_proj 之前的一段一次 attention.cpp 的调用（服务时拼在一起的请求各调用一次）：与 layer.cpp 的
+        attention_layer 里的那一段是同一个函数。"""
+        B, T, _ = qkv.shape
+        state.reserve(state.length + T, qkv.new_empty(B, self.num_kv_heads, 0, self.head_dim, dtype=torch.float32))
+        out = self.qkv.kernel.attention_step(params, qkv, cos, sin, state)
+        state.length += T
+        return out
+
+
 class FastDeltaNet(GatedDeltaNet):
     step_kernel = None  # 分块布局的层（speed_up_layer 挂上 Kernel）：解码、验证草稿时用 deltanet.cpp 逐个位置地算
     step_consts = None  # 它要的四个常量，换布局时算好一次：卷积核 [K, C]、−exp(A_log)、dt_bias、门控 RMSNorm 的权重
@@ -269,6 +285,11 @@ class FastDecoderLayer(DecoderLayer):
             return super().forward(x, cos, sin, state, valid)
         if self.layer_type == "linear_attention" and state is not None and valid is None:
             return self.linear_attn.whole_layer(self, x, state)
+        if self.layer_type == "full_attention" and self.block.H and self.self_attn.can_step(state, valid):
+            state.reserve(state.length + x.shape[1], x.new_empty(x.shape[0], self.self_attn.num_kv_heads, 0, self.block.D))
+            out = self.mlp.down_proj.kernel.attention_layer(self.block, x, cos, sin, state)
+            state.length += x.shape[1]
+            return out
         x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
         return self.mlp.down_proj.kernel.mlp_block(self.block, x)
 
@@ -293,7 +314,9 @@ class FastDecoderLayer(DecoderLayer):
         else:
             mixer, out_proj = self.self_attn, self.self_attn.o_proj
             qkv = apart(mixer.qkv.matvec(h), sizes)
-            outs = [mixer.mix(*y.split(mixer.qkv_sizes, dim=-1), cos, sin, state)
+            outs = [mixer.step(self.block, y, cos, sin, state) if self.block is not None and self.block.H
+                    and mixer.can_step(state, None)
+                    else mixer.mix(*y.split(mixer.qkv_sizes, dim=-1), cos, sin, state)
                     for y, (_, cos, sin, state) in zip(qkv, parts)]
         x = x + out_proj.matvec(join(outs).to(self.dtype)).float()
         if self.block is not None:  # 与 forward 里的同一个 C 调用，每行各算各的
@@ -362,7 +385,18 @@ def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
         p.in_proj, p.out_proj, p.gate_eps = lin(mixer.in_proj), lin(mixer.out_proj), mixer.norm.eps
         p.conv_w, p.neg_A, p.dt_bias, p.norm_w = (c.data_ptr() for c in mixer.step_consts)
         p.Hk, p.Hv, p.Dk, p.Dv, p.K = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.kernel
+    elif attention_fits(layer.self_attn):
+        a = layer.self_attn
+        p.in_proj, p.out_proj, p.gate_eps = lin(a.qkv), lin(a.o_proj), a.q_norm.eps
+        p.q_scale, p.k_scale = a.q_norm.scale.data_ptr(), a.k_norm.scale.data_ptr()
+        p.H, p.Hkv, p.D = a.num_heads, a.num_kv_heads, a.head_dim
     return p
+
+
+def attention_fits(a: FastAttention) -> bool:
+    """attention.cpp 接得下这一层的注意力：矩阵是分块布局、不带偏置，q_norm、k_norm 走 C++，头的维数是 16 的倍数。"""
+    return all(isinstance(m, BlockedLinear) and m.bias is None for m in (a.qkv, a.o_proj)) and a.head_dim % 16 == 0 \
+        and a.q_norm.eps == a.k_norm.eps and all(getattr(n, "step_kernel", None) is not None for n in (a.q_norm, a.k_norm))
 
 
 def lin(m: BlockedLinear) -> Lin:

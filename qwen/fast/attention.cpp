@@ -1,0 +1,136 @@
+// 附录 · 注意力层解码几个位置：投影之后、o_proj 之前的一段一次调用（公式见第 6 章 attention.py）。
+//
+//     q, g = 每个头 [查询 D | 门 D]；q = rope(q_norm(q))，k = rope(k_norm(k))，k、v 写进 KV 缓存
+//     out = softmax(q kᵀ / sqrt(D)) v · sigmoid(g)          每个查询只看它自己和之前的位置
+//
+// PyTorch 里这是二十来个小运算（每个头的归一化、RoPE 的切片与拼接、写缓存、注意力、门），解码一个 token 时每个都有
+// 一份与大小无关的固定开销。这里一次做完。softmax 按固定的 CHUNK 个位置一段：每段各求最大值、指数和与加权的 v，
+// 再按段的顺序合起来（Milakov 与 Gimelshein 的“在线 softmax”，FlashAttention 的做法）。段界只由位置决定，与同时算几个
+// 查询、几个线程无关：验证草稿时第 t 个查询看前 L − T + t + 1 个位置，与单独解码它时是同一串运算，结果逐位相同（第 14 章）。
+// 几段分给几个线程，长的缓存也快。同一个键值头的 g = H / Hkv 个查询头一起读这一头的缓存：每个位置的 k、v 只读一遍。
+// 点积按 16 个一组的向量累加、再按固定顺序求和（-ffp-contract=off，乘与加各自舍入）：换一种 CPU 结果也一样。
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" void rms_norm(const float* x, int64_t rows, int64_t D, const float* scale, float eps, float* y);
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t CHUNK = 256;  // softmax 每段几个位置
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {  // D 是 16 的倍数
+  v16 acc = {};
+  for (int64_t i = 0; i < D; i += 16) acc += load16(a + i) * load16(b + i);
+  float s = 0.0f;
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  return s;
+}
+
+inline float value(const void* p, bool bf16, int64_t i) {
+  if (!bf16) return static_cast<const float*>(p)[i];
+  const uint32_t u = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// 就地：前 rot 维 x·cos + rotate_half(x)·sin（NeoX 式：第 i 维与第 i + rot/2 维配对，第 5 章），其余不动
+void rope(float* x, const float* cos, const float* sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  std::vector<float> r(x, x + rot);
+  for (int64_t i = 0; i < rot; ++i) x[i] = r[i] * cos[i] + (i < half ? -r[i + half] : r[i - half]) * sin[i];
+}
+
+// 一个键值头、一段位置 [j0, j1) 对 g 个查询头：每个查询头的 (最大值 m, 指数和 s, 加权的 v [D]) 写进 part [g, 2 + D]
+void chunk_part(const float* q, int64_t g, const float* k, const float* v, int64_t j0, int64_t j1, int64_t D, float* part) {
+  const float scale = 1.0f / std::sqrt(float(D));
+  std::vector<float> sc(g * CHUNK);
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t r = 0; r < g; ++r) sc[r * CHUNK + (j - j0)] = dot(q + r * D, k + j * D, D) * scale;
+  for (int64_t r = 0; r < g; ++r) {
+    float* s = sc.data() + r * CHUNK;
+    float m = s[0], sum = 0.0f;
+    for (int64_t j = 1; j < j1 - j0; ++j) m = std::max(m, s[j]);
+    for (int64_t j = 0; j < j1 - j0; ++j) sum += (s[j] = std::exp(s[j] - m));
+    float* acc = part + r * (2 + D);
+    acc[0] = m, acc[1] = sum;
+    std::fill(acc + 2, acc + 2 + D, 0.0f);
+    for (int64_t j = 0; j < j1 - j0; ++j)
+      for (int64_t d = 0; d < D; ++d) acc[2 + d] += s[j] * v[(j0 + j) * D + d];
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// qkv：B 行、各 T 个相继位置的投影（模型的 dtype，qkv_bf16 时 bfloat16），第 (b, t) 个在 qkv + (b·T + t)·ld：
+// q（连同门）[H, 2D]、k [Hkv, D]、v [Hkv, D]。cos、sin [T, rot]（第 b 行从 b·cs_b 起：批里每行自己的位置时 cs_b = T·rot）。
+// q_scale、k_scale [D]：q_norm、k_norm 的 1 + w。k_buf、v_buf [B, Hkv, cap, D] float32：前 length 个位置是缓存，这 T 个
+// 写在其后（调用的人已留够位置）。out [B, T, H·D] float32：乘过输出门的注意力结果（o_proj 之前）
+void attention_step(const void* qkv, int64_t qkv_bf16, int64_t ld, int64_t B, int64_t T, const float* cos, const float* sin,
+                    int64_t cs_b, int64_t rot, const float* q_scale, const float* k_scale, float eps, float* k_buf,
+                    float* v_buf, int64_t cap, int64_t length, int64_t H, int64_t Hkv, int64_t D, float* out) {
+  const int64_t g = H / Hkv, BT = B * T;
+  std::vector<float> q(BT * H * D), gate(BT * H * D), raw(std::max(H, Hkv) * D);
+  for (int64_t bt = 0; bt < BT; ++bt) {  // 归一化、RoPE；k、v 写进缓存
+    const int64_t b = bt / T, t = bt % T, row = bt * ld;
+    const float *c = cos + b * cs_b + t * rot, *s = sin + b * cs_b + t * rot;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        raw[h * D + d] = value(qkv, qkv_bf16, row + h * 2 * D + d);
+        gate[(bt * H + h) * D + d] = value(qkv, qkv_bf16, row + h * 2 * D + D + d);
+      }
+    rms_norm(raw.data(), H, D, q_scale, eps, q.data() + bt * H * D);
+    for (int64_t h = 0; h < H; ++h) rope(q.data() + (bt * H + h) * D, c, s, rot);
+    for (int64_t i = 0; i < Hkv * D; ++i) raw[i] = value(qkv, qkv_bf16, row + H * 2 * D + i);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      float* kd = k_buf + ((b * Hkv + h) * cap + length + t) * D;
+      rms_norm(raw.data() + h * D, 1, D, k_scale, eps, kd);
+      rope(kd, c, s, rot);
+      for (int64_t d = 0; d < D; ++d)
+        v_buf[((b * Hkv + h) * cap + length + t) * D + d] = value(qkv, qkv_bf16, row + H * 2 * D + Hkv * D + h * D + d);
+    }
+  }
+  // 第 (b, t) 个查询看前 length + t + 1 个位置，分成 CHUNK 个一段；(b, t, 键值头, 段) 分给各个线程
+  const int64_t most = (length + T + CHUNK - 1) / CHUNK;
+  std::vector<float> parts(BT * Hkv * most * g * (2 + D));
+  const int64_t items = BT * Hkv * most;
+#pragma omp parallel for schedule(dynamic) if (items >= 4)
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t bt = i / (Hkv * most), h = i / most % Hkv, c = i % most, L = length + bt % T + 1;
+    if (c * CHUNK >= L) continue;
+    const int64_t at = ((bt / T) * Hkv + h) * cap * D;
+    chunk_part(q.data() + (bt * H + h * g) * D, g, k_buf + at, v_buf + at, c * CHUNK, std::min(L, (c + 1) * CHUNK), D,
+               parts.data() + i * g * (2 + D));
+  }
+  for (int64_t bt = 0; bt < BT; ++bt)  // 按段的顺序合起来，乘输出门
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t n = (length + bt % T + CHUNK) / CHUNK;  // 这个查询用到的段数
+      const float* first = parts.data() + ((bt * Hkv + h / g) * most * g + h % g) * (2 + D);
+      auto part = [&](int64_t c) { return first + c * g * (2 + D); };
+      float m = part(0)[0], total = 0.0f;
+      for (int64_t c = 1; c < n; ++c) m = std::max(m, part(c)[0]);
+      std::vector<float> o(D, 0.0f);
+      for (int64_t c = 0; c < n; ++c) {
+        const float w = std::exp(part(c)[0] - m);
+        total += part(c)[1] * w;
+        for (int64_t d = 0; d < D; ++d) o[d] += part(c)[2 + d] * w;
+      }
+      const float* gt = gate.data() + (bt * H + h) * D;
+      float* y = out + (bt * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) y[d] = o[d] / total * (1.0f / (1.0f + std::exp(-gt[d])));
+    }
+}
+}
