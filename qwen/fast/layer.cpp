@@ -9,9 +9,10 @@
 // 归一化之后转成模型的 dtype（bfloat16 就近舍入到偶数，与 .to(torch.bfloat16) 相同），矩阵乘法的结果是模型的 dtype，
 // 残差流是 float32。所以服务时几个请求拼在一起的 forward_many（layers.py，逐个运算地调用这些内核）与单独解码的这一串
 // 逐位相同；每一行各算各的，验证的行与单独解码的行也逐位相同（第 14 章）。
-// 激活在 PyTorch 里是 F.silu(g) * u：bfloat16 时先把 silu 舍入成 bfloat16、再乘、再舍入，这里照做（exp 用 C 库的，与
-// PyTorch 的向量化 exp 可能差一点舍入：所以行数多的预填充照旧用 PyTorch，行数少的这几条路径都用这里的，见 layers.py）。
+// 激活在 PyTorch 里是 F.silu(g) * u：bfloat16 时先把 silu 舍入成 bfloat16、再乘、再舍入，这里照做（exp 是下面的多项式，
+// 与 PyTorch 的向量化 exp 可能差一点舍入：所以行数多的预填充照旧用 PyTorch，行数少的这几条路径都用这里的，见 layers.py）。
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -71,21 +72,29 @@ inline uint16_t bf16_round(float f) {  // 就近舍入到偶数（与 matvec.cpp
   return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// 模型 dtype 的几行：bfloat16 的模型存 uint16，float32 的存 float
+// 模型 dtype 的几行：bfloat16 的模型存 uint16，float32 的存 float。逐个数的循环把 dtype 的判断放在循环外：循环体没有
+// 分支，编译器把它向量化
 struct Rows {
   bool bf16;
   std::vector<uint16_t> h;
   std::vector<float> f;
   void resize(int64_t n) { bf16 ? h.resize(n) : f.resize(n); }
   void* data() { return bf16 ? static_cast<void*>(h.data()) : static_cast<void*>(f.data()); }
-  float at(int64_t i) const { return bf16 ? bf16_value(h[i]) : f[i]; }
-  void put(int64_t i, float v) { bf16 ? void(h[i] = bf16_round(v)) : void(f[i] = v); }
+  void to_float(float* out, int64_t n) const {  // .float()
+    if (bf16)
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_value(h[i]);
+    else
+      std::memcpy(out, f.data(), n * sizeof(float));
+  }
 };
 
 Rows model_rows(bool bf16, const float* x, int64_t n) {  // float32 → 模型的 dtype（.to(dtype)）
   Rows r{bf16, {}, {}};
   r.resize(n);
-  for (int64_t i = 0; i < n; ++i) r.put(i, x[i]);
+  if (bf16)
+    for (int64_t i = 0; i < n; ++i) r.h[i] = bf16_round(x[i]);
+  else
+    std::memcpy(r.f.data(), x, n * sizeof(float));
   return r;
 }
 
@@ -106,7 +115,7 @@ Rows linear(const Lin& L, Rows& x, int64_t M) {
               L.blocks, x.bf16);
   } else {  // float32 或 bfloat16 的块读 float32 的输入
     std::vector<float> xf(M * L.n_in);
-    for (int64_t i = 0; i < M * L.n_in; ++i) xf[i] = x.at(i);
+    x.to_float(xf.data(), M * L.n_in);
     if (L.kind == 0) matvec_f32(xf.data(), 0, M, L.n_in, static_cast<const float*>(L.w), nullptr, y.data(), L.blocks, x.bf16);
     else matvec_bf16(xf.data(), 0, M, L.n_in, static_cast<const uint16_t*>(L.w), nullptr, y.data(), L.blocks, x.bf16);
   }
@@ -126,7 +135,41 @@ Rows normed(const float* x, int64_t M, int64_t D, const float* scale, float eps,
 }
 
 void add_rows(const float* x, const Rows& y, int64_t n, float* out) {  // out = x + y.float()
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + y.at(i);
+  y.to_float(out, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] + out[i];
+}
+
+// e^x，|x| 夹在 87 以内：x = n·ln2 + r（ln2 分成两段，n·C1 是精确的），e^r 用 Cephes 的 expf 多项式，再乘 2^n（直接拼出指数位）。
+// 只有加、乘与位运算，没有分支：编译器把循环向量化，向量的部分与标量的尾巴是同一串运算，结果逐位相同（误差约 1 ulp）
+inline float exp_poly(float x) {
+  x = std::min(87.0f, std::max(-87.0f, x));
+  const float t = x * 1.44269504088896341f + 12582912.0f;  // 加 1.5·2^23：就近舍入到整数 n，n 在尾数的低位里
+  const float n = t - 12582912.0f;
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t e = ((bits - 0x4B400000) + 127) << 23;  // 2^n 的位
+  float two_n;
+  std::memcpy(&two_n, &e, sizeof two_n);
+  return p * two_n;
+}
+
+// 一段 MLP 的激活：a = silu(g) · u（silu 先舍入成模型的 dtype，与 PyTorch 的 F.silu(g) * u 一样两次舍入）
+void act_bf16(const uint16_t* g, const uint16_t* u, int64_t n, uint16_t* a) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = bf16_value(g[i]);
+    a[i] = bf16_round(bf16_value(bf16_round(x / (1.0f + exp_poly(-x)))) * bf16_value(u[i]));
+  }
+}
+void act_f32(const float* g, const float* u, int64_t n, float* a) {
+  for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
 }
 
 // MLP 那一半：out = x + down(act(gate_up(norm2(x))))，x、out [M, hidden] float32
@@ -135,12 +178,10 @@ void mlp_half(const Layer& p, const float* x, int64_t M, float* out) {
   Rows gu = linear(p.gate_up, h, M);  // [M, 2·inter]：前一半是 gate，后一半是 up
   Rows a{gu.bf16, {}, {}};
   a.resize(M * p.inter);
-#pragma omp parallel for schedule(static) if (M * p.inter >= 2048)  // 几千个 exp：分给各个线程
-  for (int64_t n = 0; n < M * p.inter; ++n) {
-    const int64_t m = n / p.inter, i = n % p.inter;
-    const float g = gu.at(m * 2 * p.inter + i), u = gu.at(m * 2 * p.inter + p.inter + i);
-    const float s = g / (1.0f + std::exp(-g));  // silu(g)，先舍入成模型的 dtype
-    a.put(n, (a.bf16 ? bf16_value(bf16_round(s)) : s) * u);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t in = m * 2 * p.inter, at = m * p.inter;
+    if (a.bf16) act_bf16(gu.h.data() + in, gu.h.data() + in + p.inter, p.inter, a.h.data() + at);
+    else act_f32(gu.f.data() + in, gu.f.data() + in + p.inter, p.inter, a.f.data() + at);
   }
   add_rows(x, linear(p.down, a, M), M * p.hidden, out);
 }
@@ -170,7 +211,7 @@ void delta_layer(const Layer* lp, const float* x, float* out, int64_t B, int64_t
   Rows h = normed(x, M, p.hidden, p.norm1, p.eps1, p.bf16);
   Rows proj = linear(p.in_proj, h, M);  // [M, P]
   std::vector<float> pf(M * P), o(M * p.Hv * p.Dv);
-  for (int64_t i = 0; i < M * P; ++i) pf[i] = proj.at(i);  // .float()
+  proj.to_float(pf.data(), M * P);  // .float()
   if (proj_out) std::memcpy(proj_out, pf.data(), M * P * sizeof(float));
   deltanet_step(pf.data(), T * P, P, T, conv, conv_out, p.conv_w, p.neg_A, p.dt_bias, p.norm_w, p.gate_eps, S, history,
                 o.data(), B, p.Hk, p.Hv, p.Dk, p.Dv, p.K);
