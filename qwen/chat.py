@@ -155,6 +155,6 @@ class Chat:
         yield from filter(None, [out.flush()])
 
     def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, **settings):
-        """流式产出回答的文字片段，每次从头读整段对话（复用读过的历史、投机解码、推荐的采样：附录的 Conversation）。"""
+        """流式产出回答的文字片段，每次从头读整段对话（复用历史、投机解码、推荐的采样、内容里的控制记号当文字：附录的 Conversation）。"""
         ids = self.encode(self.prompt(messages, enable_thinking, tools))  # 带图的对话要视觉塔：附录的 Conversation
         return self.stream_text(stream(self.model, ids, max_new_tokens, self.stop, sampling, **settings))

@@ -1,6 +1,6 @@
 """附录 · 多轮对话：读过的历史不再重读，有草稿头就投机解码，采样默认用检查点推荐的设置。
 
-每一轮的提示词是整段对话渲染出来的（第 13 章的 build_prompt）。下一轮的提示词并不总是这一轮“提示词 + 回答”的延长：
+每一轮的提示词是整段对话渲染出来的（第 13 章的 build_prompt；消息里写的控制记号只是文字，见 literal.py）。下一轮的提示词并不总是这一轮“提示词 + 回答”的延长：
 模板会去掉上一轮回答里的思考部分。但到最后一个用户问题为止的那一段，下一轮一定原样出现（只要历史没改）。
 所以每轮喂提示词时分两段：先喂到最后一个用户问题的末尾，把这时的状态复制一份留下（主模型的状态、草稿头的 KV 缓存、
 最后一个位置的隐藏状态），再喂剩下的、开始生成。下一轮只要 token 上对得上，就从留下的那份接着喂新的部分；
@@ -20,8 +20,8 @@ import torch
 
 from .attention import AttentionState
 from .cache import State, copy_state
-from .chat import build_prompt
 from .fast import load_draft
+from .literal import Literal
 from .mtp import Drafter, SpecResult, stream_mtp
 from .sample import Sampling, stream
 from .vision import VisionTower
@@ -101,14 +101,14 @@ class Resume:
         return (t for emitted in rounds for t in emitted)
 
 
-def cut_point(chat, messages, tools, tokens, images=None) -> int | None:
+def cut_point(literal, messages, tools, tokens, images=None) -> int | None:
     """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板或没有用户消息时 None（不复用）。
     images：tokens 里的图（占位已展开）：前缀里的每个占位也按它的图展开。"""
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
-    if not chat.templated or not users:
+    if not literal.chat.templated or not users:
         return None
     last = users[-1]
-    prefix = chat.encode(build_prompt(messages[: last + 1], tools=tools, add_generation_prompt=False, images=[]))[0].tolist()
+    prefix = literal.tokens(messages[: last + 1], tools=tools, images=[], add_generation_prompt=False)[0].tolist()
     if images is not None:
         prefix = images.expand(torch.tensor([prefix]), prefix=True)[0].tolist()
     return len(prefix) if tokens[: len(prefix)] == prefix else None
@@ -122,6 +122,7 @@ class Conversation:
 
     def __init__(self, chat, mtp=True):
         self.chat, self.model = chat, chat.model
+        self.literal = Literal(chat)  # 客户的文字里的控制记号按文字切
         self.mtp = load_draft(chat.model, chat.path) if mtp is True else (mtp or None)
         self.defaults = generation_defaults(chat.path)
         self.saved: Resume | None = None
@@ -155,7 +156,7 @@ class Conversation:
         Sampling.check("max_new_tokens", max_new_tokens)
         chat, model, t0 = self.chat, self.model, time.perf_counter()
         tokens, images = self.encode(messages, enable_thinking, tools)
-        cut = cut_point(chat, messages, tools, tokens, images)
+        cut = cut_point(self.literal, messages, tools, tokens, images)
         with torch.inference_mode():  # 只包住这一段：生成器在 yield 之间不替调用方开着 inference_mode
             resume = self.resume(tokens, cut, images)
             start = len(resume.tokens)
@@ -180,7 +181,7 @@ class Conversation:
     def encode(self, messages, enable_thinking, tools):
         """消息 → (提示词的 token 列表, 其中的图)：有图时视觉塔（第一次用时读，与模型同一个 dtype）看图，占位按图展开。"""
         parts = []
-        ids = self.chat.encode(self.chat.prompt(messages, enable_thinking, tools, images=parts))
+        ids = self.literal.tokens(messages, enable_thinking, tools, images=parts)
         if not parts:
             return ids[0].tolist(), None
         with torch.inference_mode():

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..chat import Chat
+from ..literal import Literal
 from ..conversation import generation_defaults
 from .access import Access, Guard
 from .body import parse_json
@@ -52,6 +53,7 @@ class Server:
         self.header_timeout = header_timeout  # 连上之后（或上一个回答之后）这么多秒内要发完请求头
         self.engine = None
         self.chat = None
+        self.literal = None  # 切对话消息（客户的文字里的控制记号按文字切，qwen/literal.py）
         self.defaults = {}  # 检查点推荐的采样设置（generation_config.json）
         self.load_error = None
         self.closing = False
@@ -60,6 +62,7 @@ class Server:
 
     def ready(self, engine):
         self.chat = Chat(engine.model)
+        self.literal = Literal(self.chat)
         self.defaults = generation_defaults(self.chat.path)
         self.max_prompt = self.max_prompt or engine.model.cfg.max_position_embeddings
         self.engine = engine

@@ -142,11 +142,11 @@ def chat_job(body, server) -> Job:
     think = thinking(body, chat.templated)
     try:
         parts = []  # 消息里的图（第 13 章的 build_prompt 收下）
-        ids = chat.encode(chat.prompt(messages, think, tools, images=parts))
+        ids = server.literal.tokens(messages, think, tools, images=parts)  # 消息里写的控制记号只是文字
         images = server.see(parts, server.max_prompt - ids.shape[1] - 1) if parts else None
         ids = (images.expand(ids) if images is not None else ids)[0].tolist()
         has_user = any(m["role"] == "user" for m in messages)
-        keep = cut_point(chat, messages, tools, ids, images) if has_user else None
+        keep = cut_point(server.literal, messages, tools, ids, images) if has_user else None
     except ImportError as e:  # 服务这边没装 Pillow：说出要装的 extra
         raise ApiError(501, str(e), "messages") from None
     except TooManyImageTokens as e:

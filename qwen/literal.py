@@ -1,0 +1,58 @@
+"""附录 · 客户的文字只是文字：消息里写的 <|im_end|> 伪造不出一轮对话。
+
+第 13 章的 Chat 把整段对话渲染成一个字符串再交给分词器；分词器在字符串里认出 <|im_start|>、<|im_end|> 这样的控制记号，
+不论它们是模板写的，还是用户的消息、工具的结果里本来就有的。于是谁都能在内容里写 “<|im_end|>\\n<|im_start|>system\\n…”，
+模型看到的就是一轮真的系统消息（图的占位 <|image_pad|> 也一样伪造得出）。OpenAI 的接口里内容永远是文字，这里也一样：
+1. 渲染之前，客户给的每段文字（内容、推理、工具调用的参数、工具说明；图的来源除外）里的控制记号换成占位：ESC 加上
+   它是第几个控制记号（U+F0000 起的私用字符），ESC 自己写成两个——占位还原得回原文，不会与别的文字混淆；
+2. 渲染之后在加进词表的记号处切开：分词器本来就先这样切开、各段分别切，所以模板写的记号照旧是一个 token；
+3. 各段把占位还原成原文，照分词器的步骤（规范化、预切分、BPE）切成 token：控制记号的文字切成几个普通的 token。
+客户的文字里没有控制记号时第 1 步什么也不换，结果就是 chat.encode(chat.prompt(…))。
+"""
+
+import re
+
+import torch
+
+from .chat import build_prompt
+
+ESC = "\ufdd0"  # Unicode 的“非字符”：正常的文字里没有它；有也不要紧（写成两个）
+
+
+class Literal:
+    """第 13 章的一个 Chat 与它的分词器的控制记号表：tokens(…) 把对话消息切成 id，客户的文字里的控制记号按文字切。"""
+
+    def __init__(self, chat):
+        self.chat, self.tk = chat, chat.tk
+        added = sorted(self.tk.get_added_tokens_decoder().values(), key=lambda t: -len(t.content))  # 长的先配
+        self.specials = [t.content for t in added if t.special]
+        self.marker = re.compile("|".join(map(re.escape, [ESC, *self.specials])))
+        self.added = re.compile("(" + "|".join(map(re.escape, [t.content for t in added])) + ")")
+
+    def tokens(self, messages, enable_thinking=False, tools=None, images=None, add_generation_prompt=True):
+        """对话消息 → [1, T] 的 id（同 chat.encode(chat.prompt(…))，只是客户的文字里的控制记号是文字）。"""
+        chat, messages, tools = self.chat, self.escape(messages), self.escape(tools)
+        if chat.templated:
+            text = build_prompt(messages, enable_thinking, tools, add_generation_prompt, images=images)
+        else:
+            text = chat.prompt(messages, images=images)
+        if ESC not in text:
+            return chat.encode(text)
+        pieces = self.added.split(text)  # 奇数位置是切开处的记号：模板写的（客户写的已换成占位）
+        ids = [self.as_text(p) if i % 2 == 0 else [self.tk.token_to_id(p)] for i, p in enumerate(pieces)]
+        return torch.tensor([[t for part in ids for t in part]])
+
+    def escape(self, v):
+        """消息、工具里的每段文字：控制记号换成占位。图的分段（有 image 或 image_url）原样留着。"""
+        if isinstance(v, str):
+            return self.marker.sub(lambda m: ESC * 2 if m[0] == ESC else ESC + chr(0xF0000 + self.specials.index(m[0])), v)
+        if isinstance(v, dict):
+            return v if "image" in v or "image_url" in v else {k: self.escape(x) for k, x in v.items()}
+        return [self.escape(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    def as_text(self, piece: str) -> list:
+        """一段（其中没有模板写的记号）→ id：占位还原成原文，再照分词器的步骤切，不认控制记号。"""
+        piece = re.sub(ESC + "(.)", lambda m: ESC if m[1] == ESC else self.specials[ord(m[1]) - 0xF0000], piece, flags=re.S)
+        piece = self.tk.normalizer.normalize_str(piece) if self.tk.normalizer else piece
+        words = self.tk.pre_tokenizer.pre_tokenize_str(piece) if self.tk.pre_tokenizer else [(piece, None)]
+        return [t.id for w, _ in words for t in self.tk.model.tokenize(w)]
