@@ -9,13 +9,16 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from .chat import Chat
 from .conversation import Conversation
 from .fast import DTYPES, LAYOUTS, load, load_model, warm_up
+from .fast.records import record_file
 from .sample import RULES
 from .weights import find_model
 
@@ -113,7 +116,11 @@ def compile_arguments(sub) -> None:
 
 def prepare(args) -> None:
     """python -m qwen compile：编译 C++ 的 matvec 与 --layout graphs 的图（主模型与草稿头），之后的运行从磁盘缓存读；
-    再量一次默认布局上多起草一个 token 的代价，记下来。"""
+    再量一次默认布局上多起草一个 token 的代价，记下来。存这些的文件夹写不了时先说出来：编了也存不下。"""
+    for folder in cache_folders():
+        if not writable(folder):
+            sys.exit(f"错误：{folder} 写不了：compile 编出的内核、图与量出的代价都存在那里，存不下就白编了（下次照样要编）。"
+                     "把 XDG_CACHE_HOME（内核与记录）或 TORCHINDUCTOR_CACHE_DIR（图）指到一个写得了的文件夹再试")
     t0 = time.perf_counter()
     try:
         model, mtp = load(args.model, "graphs", args.quantize, DTYPES.get(args.dtype))
@@ -126,6 +133,22 @@ def prepare(args) -> None:
         default, head = load(model.path, quantize=args.quantize, dtype=model.dtype)
         seconds = warm_up(default, head)
         print(f"默认路径上多起草一个 token 的代价：一步的 {head.draft_cost:.0%}（{seconds:.1f} 秒）", file=sys.stderr)
+
+
+def cache_folders() -> list:
+    """compile 的结果存在哪儿：内核与记录（record_file），torch.compile 的图（inductor 的缓存）。"""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return [record_file("kernels").parent, Path(cache_dir())]
+
+
+def writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+        return True
+    except OSError:
+        return False
 
 
 def serve_options(sub) -> None:

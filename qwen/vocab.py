@@ -40,7 +40,10 @@ def tokenizer_ids(folder: Path, vocab_size: int) -> tuple[torch.Tensor, str]:
         return common, f"前 {len(common)} 个 id（检查点里没有 tokenizer.json，认不出中文的 token）"
     from tokenizers import Tokenizer
 
-    tk = Tokenizer.from_file(str(file))
+    try:  # 不是 JSON、不是分词器的文件：说出是哪个文件（同第 13 章的 Chat）
+        tk = Tokenizer.from_file(str(file))
+    except Exception as e:
+        raise ValueError(f"{file} 读不了（{e}）：文件可能被截断或改坏了，请重新下载它") from None
     pieces = tk.decode_batch([[i] for i in range(COMMON_IDS, min(tk.get_vocab_size(), vocab_size))])
     chinese = [COMMON_IDS + i for i, s in enumerate(pieces) if CHINESE.search(s)]
     ids = torch.cat([common, torch.tensor(chinese, dtype=torch.long)])

@@ -149,6 +149,18 @@ def test_compile_without_a_working_compiler(tiny, monkeypatch):
         load_model(tiny[0], layout="graphs", dtype=torch.float32)
 
 
+def test_compile_with_an_unwritable_cache_says_so_before_compiling(tmp_path):
+    """python -m qwen compile 而缓存的文件夹写不了（这里 XDG_CACHE_HOME 在一个文件下面，root 也写不了）：先说出是哪个
+    文件夹、怎么办，退出码 1，不先花几分钟编一遍再悄悄丢掉。"""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    env = dict(os.environ, XDG_CACHE_HOME=str(blocker / "cache"))
+    done = subprocess.run([sys.executable, "-m", "qwen", "compile", "--model", "demo"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 1 and f"{blocker / 'cache' / 'qwen'} 写不了" in done.stderr and "XDG_CACHE_HOME" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--max-new-tokens", "-3"], "argument --max-new-tokens: 要在 \\[1, ∞\\) 里，收到 -3"),
     (["--top-p", "0"], "argument --top-p: 要在 \\(0, 1\\] 里，收到 0"),
@@ -243,7 +255,7 @@ def test_bad_shard_index_names_the_file(tiny, tmp_path, text):
 
 
 def test_bad_tokenizer_and_text_are_clear_errors(tiny, tmp_path):
-    """tokenizer.json 不是 JSON：ValueError 说出文件；单独的代理字符（不是合法的 Unicode）：ValueError，不是分词器深处的 TypeError。"""
+    """tokenizer.json 不是 JSON：ValueError 说出文件（第 14 章的脚本也是一行错误）；单独的代理字符（不是合法的 Unicode）：ValueError，不是分词器深处的 TypeError。"""
     from qwen import Chat
 
     model = Model.from_pretrained(tiny[0], dtype=torch.float32)
@@ -254,6 +266,9 @@ def test_bad_tokenizer_and_text_are_clear_errors(tiny, tmp_path):
     (ck / "tokenizer.json").write_text("{不是 JSON")
     with pytest.raises(ValueError, match=r"tokenizer\.json 读不了"):
         Chat(model, ck)
+    done = subprocess.run([sys.executable, "ch14_mtp.py", "--model", str(ck), "--max-new-tokens", "2"], capture_output=True,
+                          text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 1 and "tokenizer.json 读不了" in done.stderr + done.stdout and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("args", [["--max-new-tokens", "-5"], ["--draft-tokens", "0"], ["--threads", "-1"]])

@@ -574,6 +574,31 @@ def test_chunked_body_over_the_limit_is_refused_while_it_is_read(served):
         assert s.recv(64).startswith(b"HTTP/1.1 413")
 
 
+def test_a_whole_body_over_the_limit_gets_its_413_not_a_reset(served):
+    """客户把 48 MB 的分块请求体慢慢发完才读回答（一般的 HTTP 客户端都这样；发完要好几秒）：服务 413 之前把多出的读掉扔了，
+    客户读得到 413。不读掉的话，413 发出之后连接空着等下一个请求头，header_timeout 一到就关——客户还在发，内核回 RST，
+    客户只看见连接被重置。"""
+    from qwen.serve.api import Server
+
+    _, engine, _, _ = served
+    slow = Server(NAME, header_timeout=1.0)
+    slow.ready(engine)
+    url, uv = start(slow)
+    try:
+        u = urlsplit(url)
+        with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                      b"transfer-encoding: chunked\r\n\r\n")
+            piece = b"x" * (1 << 20)
+            for _ in range(48):
+                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                time.sleep(0.08)
+            s.sendall(b"0\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 413")
+    finally:
+        stop(uv, slow)
+
+
 def test_foreign_host_origin_and_content_type_are_refused(served):
     """DNS rebinding（Host 是别人的域名）、别的网站的网页（Origin）、text/plain 的“简单请求”：403 / 415，OpenAI 的错误体。
     本服务自己的 Origin、IP 地址与 localhost 的 Host 照常（这里的请求体是空的 messages：过了这道防线就是 400）。"""

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..chat import Chat
 from ..literal import Literal
@@ -99,10 +100,11 @@ class Server:
         return parse_json(raw)
 
     async def read_capped(self, http) -> bytes:
-        raw = bytearray()
-        async for part in http.stream():
+        raw, parts = bytearray(), http.stream()
+        async for part in parts:
             raw += part
             if len(raw) > self.max_body:
+                await drain(parts, 4 * self.max_body)
                 raise ApiError(413, f"请求体超过 {self.max_body} 字节")
         return bytes(raw)
 
@@ -113,6 +115,17 @@ class Server:
             raise ApiError(503, str(e)) from None
         except ValueError as e:  # 引擎不收的请求（查过的请求不会有：留着给直接用 Engine 的代码）
             raise ApiError(400, str(e)) from None
+
+
+async def drain(parts, most: int, idle: float = 0.5) -> None:
+    """413 之前把客户还在发的请求体读掉扔了（至多 most 字节；idle 秒没有新的一块就不等了）：连接上还有没读的数据时关掉它，
+    操作系统回的是 RST，客户往往连 413 都读不到，只看见“连接被重置”（nginx 的 lingering_close 也是为这个）。"""
+    drained = 0
+    try:
+        while drained < most:
+            drained += len(await asyncio.wait_for(parts.__anext__(), idle))
+    except (StopAsyncIteration, asyncio.TimeoutError, ClientDisconnect):
+        pass
 
 
 # ---------- 四个接口 ----------
