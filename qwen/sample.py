@@ -5,8 +5,8 @@
 怎么“选”（这些设置合起来是一个值 Sampling）：
 - temperature = 0：贪心，取 argmax，投机解码的第 14 章以它为准；temperature > 0：按 softmax(logits / T) 抽样。
 - top_k：只在分数最高的 k 个词里抽；top_p（核采样）：只在累计概率刚达到 p 的最小词集里抽。都是先截断、再重新归一化。
-- 在这之前可以先罚重复（Penalty）：repetition_penalty 让出现过的 token 的 logit 变小（贪心也罚），
-  presence_penalty 让生成过的 token 的 logit 减去一个常数。
+- 在这之前可以先罚重复（Penalty）：repetition_penalty 让出现过的 token 的 logit 变小（贪心也罚），presence_penalty 让
+  生成过的 token 的 logit 减去一个常数；给了文法（grammar，附录 qwen/grammar.py）时不合它的 token 取 −∞。
 """
 
 from dataclasses import dataclass, fields, replace
@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .cache import State
-
 
 RULES = {  # 每项设置：(要整数?, 下限, 上限, 不含下限?, 说明)。命令行、服务、对话都用这一张表检查（Sampling.check）
     "max_new_tokens": (True, 0, None, False, "应为非负整数"),
@@ -35,10 +34,11 @@ class Sampling:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     seed: int | None = None
+    grammar: object = None  # 只许合乎它的 token：有 matcher() 的对象，每次生成取一份自己的状态（附录的 Grammar）
 
     def __post_init__(self):
-        for f in fields(self):
-            self.check(f.name, getattr(self, f.name))
+        for name in [f.name for f in fields(self) if f.name in RULES]:
+            self.check(name, getattr(self, name))
 
     @staticmethod
     def check(name: str, v) -> None:  # 不合法（类型不对也算：不做默默的转换）时是一行清楚的 ValueError
@@ -63,26 +63,29 @@ class Sampling:
 
 class Penalty:
     """罚重复：哪些 token 出现过，是生成时带着走的一点状态（每行一个 [V] 的布尔掩码）。repetition_penalty = r（CTRL、
-    transformers）：出现过的 token，logit 为正时除以 r、为负时乘以 r；presence_penalty = c（OpenAI、vLLM）：生成过的减去 c。
-    """
+    transformers）：出现过的 token，logit 为正时除以 r、为负时乘以 r；presence_penalty = c（OpenAI、vLLM）：生成过的减去 c。"""
 
     def __init__(self, prompts, vocab_size: int, s: Sampling):  # prompts：每行真实 token 的一维 id 张量（不含填充）
         self.repetition, self.presence = float(s.repetition_penalty), float(s.presence_penalty)
         self.active = self.repetition != 1.0 or self.presence != 0.0
+        self.rules = [] if s.grammar is None else [s.grammar.matcher() for _ in prompts]  # 每行文法走到了哪儿
         self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool)  # [B, V]：提示词与已生成的
         self.made = torch.zeros_like(self.seen)  # [B, V]：已生成的
         for b, p in enumerate(prompts):
             self.seen[b, torch.as_tensor(p).flatten().cpu()] = True
 
     def add(self, tokens) -> None:  # 每行新生成的一个或几个 token：[B] 或 [B, n]
-        if not self.active:
-            return
-        rows = torch.arange(self.seen.shape[0])[:, None]
         tokens = torch.as_tensor(tokens).reshape(self.seen.shape[0], -1).cpu()
-        self.seen[rows, tokens] = self.made[rows, tokens] = True
+        for rule, row in zip(self.rules, tokens):
+            rule.add(row)
+        if self.active:
+            rows = torch.arange(self.seen.shape[0])[:, None]
+            self.seen[rows, tokens] = self.made[rows, tokens] = True
 
     def __call__(self, logits: torch.Tensor, extra=()) -> torch.Tensor:
         """logits [B, V']（V' 可小于词表：起草的子词表）→ 罚过的 logits。extra：第 0 行之前多出的 token（验证时前面的草稿）。"""
+        if self.rules:  # 文法：第 0 行先沿 extra 前进，算完退回
+            logits = torch.cat([r.mask(logits[b : b + 1], extra if b == 0 else ()) for b, r in enumerate(self.rules)])
         if not self.active:
             return logits
         V, extra = logits.shape[-1], [t for t in extra if t < logits.shape[-1]]
@@ -90,8 +93,7 @@ class Penalty:
         if extra:  # 只在这一次算进去，不改动记下的状态
             seen, made = seen.clone(), made.clone()
             seen[0, extra] = made[0, extra] = True
-        r = self.repetition
-        if r != 1.0:
+        if (r := self.repetition) != 1.0:
             logits = torch.where(seen.to(logits.device), torch.where(logits > 0, logits / r, logits * r), logits)
         return logits - self.presence * made.to(logits.device, logits.dtype) if self.presence else logits
 
@@ -138,16 +140,14 @@ def stream(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = 
     Sampling.check("max_new_tokens", max_new_tokens)
     if max_new_tokens == 0:
         return
-    ids = model.check_ids(ids, state)
-    if ids.shape[0] != 1:
+    if (ids := model.check_ids(ids, state)).shape[0] != 1:
         raise ValueError("stream/generate 一次处理一个提示词；多个提示词请用 qwen.batch.generate_batch")
     stop, gen, state = stop_ids(stop), s.generator(ids.device), state or State(model)
     seen = ids[0] if history is None else torch.cat([torch.as_tensor(history, dtype=torch.long, device=ids.device), ids[0]])
     penalty = Penalty([seen], model.cfg.vocab_size, s)
     logits = model(ids, state, last=True, images=images)[:, -1]  # 预填充：只要最后一个位置的 logits
     for i in range(max_new_tokens):
-        token = pick(penalty(logits), s.temperature, s.top_k, s.top_p, gen)  # [1]
-        t = int(token)
+        t = int(token := pick(penalty(logits), s.temperature, s.top_k, s.top_p, gen))  # token [1]
         yield t
         if t in stop or i == max_new_tokens - 1:
             return

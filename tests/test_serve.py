@@ -368,6 +368,34 @@ def test_role_markers_in_a_message_stay_text(served):
     assert answer.choices[0].message.content == server.chat.decode([t for t in want if t not in server.chat.stop])
 
 
+def test_structured_output_round_trip_with_the_openai_client(served):
+    """openai 客户端自己的 parse(response_format=Pydantic 模型)：服务按它的 JSON Schema 只写合乎它的 token，客户端解析出
+    对象；回答与库里用同一个文法贪心生成的逐字相同。json_object 写出一个 JSON 对象。"""
+    pytest.importorskip("llguidance")
+    from pydantic import BaseModel, Field
+
+    from qwen.grammar import Grammars
+    from qwen.literal import Literal
+
+    class City(BaseModel):
+        name: str = Field(max_length=6)
+        people: int = Field(ge=0, le=9999)
+
+    client, engine, server, _ = served
+    messages = [{"role": "user", "content": "给我一个城市"}]
+    done = client.beta.chat.completions.parse(model=NAME, messages=messages, response_format=City, max_tokens=80, temperature=0)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and done.choices[0].finish_reason == "stop"
+    grammar = Grammars(server.chat, engine.model.cfg.vocab_size).json_schema(
+        openai.lib._pydantic.to_strict_json_schema(City))  # 客户端发出去的就是 City 的严格形式
+    want = generate(engine.model, Literal(server.chat).tokens(messages), 80, stop=server.chat.stop, grammar=grammar)
+    assert done.choices[0].message.content == server.chat.decode([t for t in want if t not in server.chat.stop])
+    loose = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0,
+                                           response_format={"type": "json_object"})
+    text = loose.choices[0].message.content
+    assert text.startswith("{") and (loose.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+
+
 # ---------- 坏的请求：4xx 与 OpenAI 的错误体，有没有对话模板都是 ----------
 
 HI = [{"role": "user", "content": "hi"}]
@@ -410,7 +438,10 @@ BAD = [
     ({"messages": HI, "stop": ["x" * 1000]}, 400, "stop"),
     ({"messages": HI, "logprobs": True}, 400, "logprobs"),
     ({"messages": HI, "frequency_penalty": True}, 400, "frequency_penalty"),
-    ({"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": HI, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+    ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, 400, "schema 编译不了"),
     ({"messages": HI, "tools": "x"}, 400, "tools"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
     ({"messages": HI, "tools": ["get_weather"]}, 400, "tools"),

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from ..chat import Chat
 from ..literal import Literal
 from ..conversation import generation_defaults
+from ..grammar import Grammars
 from .access import Access, Guard
 from .body import parse_json
 from ..vision import VisionTower
@@ -60,6 +61,7 @@ class Server:
         self.closing = False
         self.tower = None  # 视觉塔（第 15 章）：第一个带图的请求来时才读
         self.tower_lock = threading.Lock()
+        self.table = None  # 结构化输出的分词器表（qwen/grammar.py 的 Grammars）：第一个带 response_format 的请求来时才建
 
     def ready(self, engine):
         self.chat = Chat(engine.model)
@@ -77,6 +79,13 @@ class Server:
             if self.tower is None:
                 self.tower = VisionTower.from_pretrained(self.chat.path, dtype=self.engine.model.dtype)
         return in_own_team(lambda: self.tower.encode(parts, most), self.engine.threads)
+
+    def grammars(self):
+        """结构化输出的 Grammars（建一次；没装 llguidance 时 ImportError 说出要装的 extra）。"""
+        with self.tower_lock:
+            if self.table is None:
+                self.table = Grammars(self.chat, self.engine.model.cfg.vocab_size)
+        return self.table
 
     def close(self):
         """关闭（SIGTERM）：不再接请求，没生成完的在下一个 token 之前停下。"""

@@ -119,9 +119,10 @@ def sampling(body, defaults: dict) -> Sampling:
     return Sampling(**(defaults | {k: v for k, v in given.items() if v is not None}))
 
 
-def request(ids, body, server, keep=None, images=None) -> Request:
-    """提示词的 token 与请求体 → 引擎的 Request。server：api.py 的 Server（defaults、max_tokens、max_prompt、chat）。"""
-    s = sampling(body, server.defaults)
+def request(ids, body, server, keep=None, images=None, grammar=None) -> Request:
+    """提示词的 token 与请求体 → 引擎的 Request。server：api.py 的 Server（defaults、max_tokens、max_prompt、chat）；
+    grammar：response_format 的文法（只许合乎它的 token）。"""
+    s = Sampling.of(sampling(body, server.defaults), grammar=grammar)
     longest = number(body, "max_completion_tokens", 1, server.max_tokens, integer=True)
     limit = number(body, "max_tokens", 1, server.max_tokens, integer=True)
     limit = longest or limit or min(512, server.max_tokens)
@@ -136,10 +137,8 @@ def chat_job(body, server) -> Job:
     check_common(body, CHAT_FIELDS, server.name)
     chat = server.chat
     messages, tools = check_messages(body.get("messages"), chat.templated), check_tools(body, chat.templated)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "不支持 response_format（只能是 {\"type\": \"text\"}）", "response_format")
     think = thinking(body, chat.templated)
+    grammar = response_grammar(body.get("response_format"), server, think)
     try:
         parts = []  # 消息里的图（第 13 章的 build_prompt 收下）
         ids = server.literal.tokens(messages, think, tools, images=parts)  # 消息里写的控制记号只是文字
@@ -154,7 +153,27 @@ def chat_job(body, server) -> Job:
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
     reader = Reader(chat.tk, think, stops(body), tools is not None)
-    return Job(request(ids, body, server, keep, images), reader, *stream_flags(body), chat=True)
+    return Job(request(ids, body, server, keep, images, grammar), reader, *stream_flags(body), chat=True)
+
+
+def response_grammar(fmt, server, think: bool):
+    """response_format → 文法（qwen/grammar.py 的 Grammar）或 None：json_object 是任意一个 JSON 对象，json_schema 按它的
+    schema（strict 给不给都照 schema 写：我们只会写合乎它的）。"""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    spec = fmt.get("json_schema") if kind == "json_schema" else {"schema": {"type": "object"}}
+    if kind not in ("json_object", "json_schema") or not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ApiError(400, 'response_format 应为 {"type": "text"}、{"type": "json_object"} 或 {"type": "json_schema", '
+                            '"json_schema": {"name": …, "schema": {…}}}', "response_format")
+    if think:
+        raise ApiError(400, "response_format 不能与 enable_thinking 一起用：思考的那一段不是 JSON", "response_format")
+    try:
+        return server.grammars().json_schema(spec["schema"])
+    except ImportError as e:
+        raise ApiError(501, str(e), "response_format") from None
+    except ValueError as e:
+        raise ApiError(400, f"response_format 的 {e}", "response_format") from None
 
 
 def completion_job(body, server) -> Job:

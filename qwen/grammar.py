@@ -1,0 +1,89 @@
+"""附录 · 结构化输出：按文法（JSON Schema）只许合乎它的 token。
+
+模型每一步给全词表打分；文法说出此刻哪些 token 还能接得上（比如一个对象的开头之后只能是引号或右花括号），其余的 logit 取
+−∞，再照常贪心或抽样（第 12 章）。这样写出的文字一定合乎文法：JSON 一定解析得了、合乎 schema（写不完时是 max_tokens 截断，
+finish_reason 是 length）。文法的状态随生成的 token 前进；投机解码（第 14 章）验证第 i 个位置时，状态先沿前面的 i − 1 个草稿
+前进、算完这一位置的掩码再退回去：每个位置的掩码与逐个解码时相同，贪心的输出与不起草时逐个相同（承诺 1）。
+
+文法库用 llguidance（llama.cpp 与 vLLM 的后端之一；Microsoft 的 guidance 项目）：它没有别的依赖（xgrammar 要 torch 之外还带上
+transformers 与 triton），JSON Schema 直接编译，掩码按 token 的字节前缀树算，一步在毫秒以内，还能退回几个 token（投机解码要）。
+出处：https://github.com/guidance-ai/llguidance 。装上：pip install "qwen[grammar]"。
+"""
+
+import json
+
+import torch
+
+
+def llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ImportError('结构化输出要 llguidance：pip install "qwen[grammar]"') from None
+    return llguidance
+
+
+class Grammars:
+    """一个分词器上的文法：llguidance 的分词器表建一次（词表大时约 1 秒），之后每个 schema 编译只要几毫秒。
+    chat：第 13 章的 Chat（它的分词器与停止符）；vocab_size：模型的词表（可以大于分词器的：多出的 id 永远不许）。"""
+
+    def __init__(self, chat, vocab_size: int):
+        llg = llguidance()
+        self.vocab_size = vocab_size
+        self.tokenizer = llg.LLTokenizer(chat.tk.to_str(), n_vocab=vocab_size, eos_token=list(chat.stop))
+
+    def json_schema(self, schema) -> "Grammar":
+        """JSON Schema（dict 或它的 JSON 文字）→ Grammar。不是 JSON Schema、或 llguidance 编译不了时 ValueError 说出原因。"""
+        llg = llguidance()
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"schema 应为 JSON Schema（一个对象），收到 {type(schema).__name__}")
+        try:
+            text = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+        except ValueError as e:
+            raise ValueError(f"schema 编译不了：{e}") from None
+        error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ValueError(f"schema 编译不了：{error}")
+        return Grammar(self, text)
+
+    def json_object(self) -> "Grammar":
+        """任意一个 JSON 对象（OpenAI 的 response_format {"type": "json_object"}）。"""
+        return self.json_schema({"type": "object"})
+
+
+class Grammar:
+    """编译好的文法：一个值，可以给许多次生成用（第 12 章 Sampling 的 grammar）；每次生成由 matcher() 取一份自己的状态。"""
+
+    def __init__(self, grammars: Grammars, text: str):
+        self.grammars, self.text = grammars, text
+
+    def matcher(self) -> "Matcher":
+        return Matcher(llguidance().LLMatcher(self.grammars.tokenizer, self.text, log_level=0), self.grammars.vocab_size)
+
+
+class Matcher:
+    """一次生成里文法走到了哪儿。mask(logits, extra)：不合文法的 token 取 −∞（extra：先沿这几个 token 前进，算完退回）；
+    add(tokens)：生成了这几个 token，前进。"""
+
+    def __init__(self, m, vocab_size: int):
+        self.m, self.vocab_size = m, vocab_size
+        self.bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+
+    def allowed(self) -> torch.Tensor:
+        """此刻许可的 token → [vocab_size] bool。文法已出错（不该发生：只生成许可的 token）时只许停止符。"""
+        packed = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.uint8)
+        return (packed[:, None] & self.bits).ne(0).flatten()[: self.vocab_size]
+
+    def mask(self, logits: torch.Tensor, extra=()) -> torch.Tensor:
+        """logits [1, V']（V' ≤ 词表：起草的子词表是前 V' 个）→ 不许的取 −∞ 的新张量。"""
+        moved = self.m.try_consume_tokens(list(extra)) if extra else 0
+        if moved < len(extra):  # 前面的草稿就不合文法：这一位置反正不会被接受，不许任何 token 以外照常
+            self.m.rollback(moved)
+            return logits
+        ok = self.allowed()[: logits.shape[-1]]
+        if moved:
+            self.m.rollback(moved)
+        return logits.masked_fill(~ok.to(logits.device), float("-inf"))
+
+    def add(self, tokens) -> None:
+        self.m.consume_tokens([int(t) for t in torch.as_tensor(tokens).flatten()])
