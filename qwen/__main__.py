@@ -85,6 +85,8 @@ def chat_arguments(sub) -> None:
     p.add_argument("--repetition-penalty", type=setting("repetition_penalty"), default=None,
                    help="出现过的 token 的 logit 除以它（1 为不罚）")
     p.add_argument("--presence-penalty", type=setting("presence_penalty"), default=None, help="生成过的 token 的 logit 减去它（0 为不罚）")
+    p.add_argument("--frequency-penalty", type=setting("frequency_penalty"), default=None,
+                   help="生成过 n 次的 token 的 logit 减去 n 倍的它（0 为不罚；小模型重复个没完时用）")
     p.add_argument("--seed", type=setting("seed"), default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
     p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
@@ -95,7 +97,8 @@ def chat_arguments(sub) -> None:
 def answer(conversation, messages, args) -> str:
     """流式打印一轮回答，结尾打印 token 数、秒数、速度与草稿的接受率；返回完整文字。"""
     settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                    repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty)
+                    repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                    frequency_penalty=args.frequency_penalty)
     pieces = []
     for piece in conversation.reply(messages, args.think, args.max_new_tokens, **settings):
         pieces.append(piece)

@@ -1,12 +1,9 @@
-"""第 12 章 · 采样：从 logits 到下一个 token，一个接一个地生成。
-
-生成就是循环：预填充提示词，取最后一个位置的 logits 选出下一个 token，再把它喂回模型，直到停止符或 max_new_tokens。
-
-怎么“选”（这些设置合起来是一个值 Sampling）：
+"""第 12 章 · 采样：从 logits 到下一个 token，一个接一个地生成：预填充提示词，取最后一个位置的 logits 选出下一个 token，
+再把它喂回模型，直到停止符或 max_new_tokens。怎么“选”（这些设置合起来是一个值 Sampling）：
 - temperature = 0：贪心，取 argmax，投机解码的第 14 章以它为准；temperature > 0：按 softmax(logits / T) 抽样。
 - top_k：只在分数最高的 k 个词里抽；top_p（核采样）：只在累计概率刚达到 p 的最小词集里抽。都是先截断、再重新归一化。
-- 在这之前可以先罚重复（Penalty）：repetition_penalty 让出现过的 token 的 logit 变小（贪心也罚），presence_penalty 让
-  生成过的 token 的 logit 减去一个常数；给了文法（grammar，附录 qwen/grammar.py）时不合它的 token 取 −∞。
+- 在这之前可以先罚重复（Penalty）：repetition_penalty 让出现过的 token 的 logit 变小（贪心也罚），presence_penalty、
+  frequency_penalty 让生成过的减去一个常数、再按次数减；给了文法（grammar，附录 qwen/grammar.py）时不合它的取 −∞。
 """
 
 from dataclasses import dataclass, fields, replace
@@ -22,6 +19,7 @@ RULES = {  # 每项设置：(要整数?, 下限, 上限, 不含下限?, 说明)�
     "top_p": (False, 0, 1, True, "应在 (0, 1] 内（或 None）"),
     "repetition_penalty": (False, 0, None, True, "应为正数（1 表示不罚）"),
     "presence_penalty": (False, None, None, False, "应为数（0 表示不罚）"),
+    "frequency_penalty": (False, None, None, False, "应为数（0 表示不罚）"),
     "seed": (True, -2**63, 2**63 - 1, False, "应为 64 位有符号整数（或 None）")}  # torch.Generator 的范围
 
 
@@ -33,6 +31,7 @@ class Sampling:
     top_p: float | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     grammar: object = None  # 只许合乎它的 token：有 matcher() 的对象，每次生成取一份自己的状态（附录的 Grammar）
 
@@ -62,15 +61,15 @@ class Sampling:
 
 
 class Penalty:
-    """罚重复：哪些 token 出现过，是生成时带着走的一点状态（每行一个 [V] 的布尔掩码）。repetition_penalty = r（CTRL、
-    transformers）：出现过的 token，logit 为正时除以 r、为负时乘以 r；presence_penalty = c（OpenAI、vLLM）：生成过的减去 c。"""
+    """罚重复：提示词里有哪些 token、每个生成过几次 n，是生成时带着走的一点状态（每行一个 [V]）。repetition_penalty = r：
+    出现过的 logit 为正时除以 r、为负时乘以 r（CTRL）；减去 presence_penalty·[n > 0] + frequency_penalty·n（OpenAI）。"""
 
     def __init__(self, prompts, vocab_size: int, s: Sampling):  # prompts：每行真实 token 的一维 id 张量（不含填充）
-        self.repetition, self.presence = float(s.repetition_penalty), float(s.presence_penalty)
-        self.active = self.repetition != 1.0 or self.presence != 0.0
+        self.repetition, self.presence, self.frequency = s.repetition_penalty, s.presence_penalty, s.frequency_penalty
+        self.active = self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
         self.rules = [] if s.grammar is None else [s.grammar.matcher() for _ in prompts]  # 每行文法走到了哪儿
-        self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool)  # [B, V]：提示词与已生成的
-        self.made = torch.zeros_like(self.seen)  # [B, V]：已生成的
+        self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool)  # [B, V]：提示词里有的
+        self.made = torch.zeros(len(prompts), vocab_size)  # [B, V]：已生成了几次
         for b, p in enumerate(prompts):
             self.seen[b, torch.as_tensor(p).flatten().cpu()] = True
 
@@ -78,9 +77,8 @@ class Penalty:
         tokens = torch.as_tensor(tokens).reshape(self.seen.shape[0], -1).cpu()
         for rule, row in zip(self.rules, tokens):
             rule.add(row)
-        if self.active:
-            rows = torch.arange(self.seen.shape[0])[:, None]
-            self.seen[rows, tokens] = self.made[rows, tokens] = True
+        rows = torch.arange(self.seen.shape[0])[:, None].expand_as(tokens)  # 同一个 token 几次就加几
+        self.made.index_put_((rows, tokens), torch.ones(tokens.shape), accumulate=True)
 
     def __call__(self, logits: torch.Tensor, extra=()) -> torch.Tensor:
         """logits [B, V']（V' 可小于词表：起草的子词表）→ 罚过的 logits。extra：第 0 行之前多出的 token（验证时前面的草稿）。"""
@@ -88,14 +86,16 @@ class Penalty:
             logits = torch.cat([r.mask(logits[b : b + 1], extra if b == 0 else ()) for b, r in enumerate(self.rules)])
         if not self.active:
             return logits
-        V, extra = logits.shape[-1], [t for t in extra if t < logits.shape[-1]]
+        V, extra = logits.shape[-1], torch.tensor([t for t in extra if t < logits.shape[-1]], dtype=torch.long)
         seen, made = self.seen[:, :V], self.made[:, :V]
-        if extra:  # 只在这一次算进去，不改动记下的状态
-            seen, made = seen.clone(), made.clone()
-            seen[0, extra] = made[0, extra] = True
+        if len(extra):  # 只在这一次算进去，不改动记下的状态
+            made = made.clone()
+            made[0].index_put_((extra,), torch.ones(len(extra)), accumulate=True)
         if (r := self.repetition) != 1.0:
-            logits = torch.where(seen.to(logits.device), torch.where(logits > 0, logits / r, logits * r), logits)
-        return logits - self.presence * made.to(logits.device, logits.dtype) if self.presence else logits
+            seen = (seen | (made > 0)).to(logits.device)  # 提示词里的与生成过的
+            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        made = made.to(logits.device, logits.dtype)
+        return logits - self.presence * (made > 0).to(logits.dtype) - self.frequency * made
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k=None, top_p=None) -> torch.Tensor:

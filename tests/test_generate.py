@@ -69,18 +69,20 @@ def test_repetition_penalty_equals_transformers(lively, plain, model):
         generate(model, p, 20, repetition_penalty=1.5) for p in prompts]
 
 
-def test_presence_penalty_by_hand(tiny_model):
-    """presence_penalty：只罚已经生成过的 token（不罚提示词里的），每个只减一次。平稳的小模型不罚时总在重复。"""
+@pytest.mark.parametrize("presence,frequency", [(2.0, 0.0), (0.0, 0.7), (0.5, 0.4)])
+def test_presence_and_frequency_penalties_by_hand(tiny_model, presence, frequency):
+    """OpenAI 的两项：生成过 n 次的 token 减去 presence·[n > 0] + frequency·n（不罚提示词里的）。平稳的小模型不罚时总在重复。"""
     model = tiny_model
     ids = ids_of(12, seed=5)
     state, out, made = State(model), [], torch.zeros(model.cfg.vocab_size)
     with torch.no_grad():
         logits = model(ids, state)[0, -1]
         for _ in range(16):
-            out.append(int((logits - 2.0 * made).argmax()))
-            made[out[-1]] = 1.0
+            out.append(int((logits - presence * (made > 0).float() - frequency * made).argmax()))
+            made[out[-1]] += 1
             logits = model(torch.tensor([[out[-1]]]), state)[0, -1]
-    assert generate(model, ids, 16, presence_penalty=2.0) == out != generate(model, ids, 16)
+    got = generate(model, ids, 16, presence_penalty=presence, frequency_penalty=frequency)
+    assert got == out != generate(model, ids, 16)
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 65])

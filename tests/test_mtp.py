@@ -92,7 +92,7 @@ def test_greedy_speculative_with_penalties_equals_plain(model, mtp, k):
     """罚重复时贪心的投机解码仍与普通贪心逐 token 相同（验证第 i 个位置时它前面的草稿也算出现过）。"""
     for T in (6, 40):
         ids = ids_of(T, seed=300 + T)
-        more = dict(repetition_penalty=1.4, presence_penalty=0.6)
+        more = dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.3)
         plain = generate(model, ids, 30, **more)
         assert plain != generate(model, ids, 30)  # 罚重复真的改变了输出
         seq = ids[0].tolist() + plain

@@ -438,6 +438,7 @@ BAD = [
     ({"messages": HI, "stop": ["x" * 1000]}, 400, "stop"),
     ({"messages": HI, "logprobs": True}, 400, "logprobs"),
     ({"messages": HI, "frequency_penalty": True}, 400, "frequency_penalty"),
+    ({"messages": HI, "frequency_penalty": 2.5}, 400, "frequency_penalty 应在 [-2, 2] 之内"),
     ({"messages": HI, "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
     ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {

@@ -13,21 +13,20 @@ from .errors import ApiError, show
 from .messages import check_messages, check_tools, thinking
 from .reader import Reader
 
-SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "repetition_penalty")
+SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
 COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "seed", "stop", "user", "n",
-          "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", *SAMPLING}
+          "logprobs", "top_logprobs", "logit_bias", *SAMPLING}
 CHAT_FIELDS = COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                         "response_format"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
-UNSUPPORTED = (("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("frequency_penalty", 0), ("echo", False),
-               ("suffix", ""), ("best_of", 1))  # 这些只能不给或是“关”的值：我们做不到，就不收
+UNSUPPORTED = (("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("echo", False), ("suffix", ""), ("best_of", 1))  # 这些只能不给或是“关”的值：我们做不到，就不收
 MAX_STOP = 500  # 一个停止字符串至多这么多个字
 GREEDY_BELOW = 1e-5  # 比这还低的 temperature 按贪心算（与 vLLM 相同：再低 logits / temperature 就溢出了）
 # 服务收的范围：OpenAI（与 vLLM）给这几项的，比 RULES 窄——RULES 说的是模型能算什么，这里是服务收什么。收窄也是防线：
 # repetition_penalty 太小时罚过的 logits 除以它溢出成 inf，采样的分布成了 NaN，那就是 500 而不是 400。
 # top_k 另收 -1 与 0（vLLM 的写法：不截断，见 setting）
 API_RANGES = {"temperature": (0, 2), "top_p": (1e-6, 1), "top_k": (-1, None), "presence_penalty": (-2, 2),
-              "repetition_penalty": (0.01, 100)}
+              "frequency_penalty": (-2, 2), "repetition_penalty": (0.01, 100)}
 
 
 @dataclass
