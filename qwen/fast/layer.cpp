@@ -198,7 +198,8 @@ void mixer_out(const Layer& p, const float* x, const std::vector<float>& o, int6
 
 extern "C" {
 
-// 一层的 MLP 那一半（注意力层的混合器仍在 Python 里，之后调用这个）：x [M, hidden] float32 → out（可以就是 x）
+// 一层的 MLP 那一半（混合器在 Python 里走时——没有缓存、左填充、服务时拼在一起的 forward_many——之后调用这个）：
+// x [M, hidden] float32 → out（可以就是 x）
 void mlp_block(const Layer* p, const float* x, float* out, int64_t M) { mlp_half(*p, x, M, out); }
 
 // DeltaNet 层的一整层：x [B, T, hidden] float32 → out，B 行、各 T 个相继的位置。conv、conv_out、S、history 同

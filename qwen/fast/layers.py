@@ -10,7 +10,9 @@
 - gates、rope：不编译时验证几个草稿的 β、g 与 RoPE 表逐行算（row_by_row）；
 - RMSNorm：1 + w 算好一次，有 C++ 内核时一次调用算完（FastRMSNorm，norm.cpp）；
 - 服务时（qwen/serve）几个请求的同一层一次算完：FastDecoderLayer.forward_many（step.py 的 FastModel.layers_many
-  逐层调用），拼起来的行只读一遍权重。
+  逐层调用），拼起来的行只读一遍权重；
+- 分块布局（不编译图）上不多于 STEP_ROWS 个 token 时一层一次 C 调用（layer.cpp、attention.cpp：layer_params 填好一层的
+  常量）：forward_many 逐个运算地调用同样的内核，两者逐位相同。
 验证时逐个位置的这些写法，都是为了让每一行与单独解码那个 token 时逐位相同（第 14 章）。
 """
 
@@ -156,7 +158,6 @@ class FastAttention(Attention):
             return super().attend(q, k, v, state, valid)
         return attend_cache(q, *state.append(k, v))
 
-
     def can_step(self, state, valid) -> bool:
         """attention.cpp 接不接得下：有缓存、没有左填充，缓存是连续存放的 float32（章节里的缓存本来就是）。"""
         return state is not None and valid is None and getattr(state, "offset", None) is None and \
@@ -166,9 +167,18 @@ class FastAttention(Attention):
     def step(self, params, qkv, cos, sin, state):
         """投影之后、o_proj 之前的一段一次 attention.cpp 的调用（服务时拼在一起的请求各调用一次）：与 layer.cpp 的
         attention_layer 里的那一段是同一个函数。"""
-        B, T, _ = qkv.shape
-        state.reserve(state.length + T, qkv.new_empty(B, self.num_kv_heads, 0, self.head_dim, dtype=torch.float32))
-        out = self.qkv.kernel.attention_step(params, qkv, cos, sin, state)
+        return self.in_cache(qkv.shape, state, lambda: self.qkv.kernel.attention_step(params, qkv, cos, sin, state))
+
+    def whole_layer(self, layer, x, cos, sin, state):
+        """整个解码层（归一化、qkv、这一段、o_proj、残差，再加上 MLP 那一半）一次 layer.cpp 的调用：x [B, T, hidden]
+        float32 → 这一层的输出。与 forward_many 逐个运算地调用同样的内核逐位相同。"""
+        return self.in_cache(x.shape, state, lambda: self.qkv.kernel.attention_layer(layer.block, x, cos, sin, state))
+
+    def in_cache(self, shape, state, run):
+        """缓存先留够 T 个位置（扩容在 Python 里），run() 把这 T 个写在 state.length 之后，之后长度加 T。"""
+        B, T = shape[0], shape[1]
+        state.reserve(state.length + T, torch.empty(B, self.num_kv_heads, 0, self.head_dim))
+        out = run()
         state.length += T
         return out
 
@@ -277,8 +287,8 @@ class FastDecoderLayer(DecoderLayer):
         return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
 
     def forward(self, x, cos, sin, state=None, valid=None):
-        """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导）且有 layer.cpp 的常量时：DeltaNet 层整层一次 C
-        调用（whole_layer），注意力层的混合器照第 9 章、MLP 那一半一次 C 调用（mlp_block）；其余照第 9 章。"""
+        """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导）且有 layer.cpp 的常量时：有缓存、没有左填充就整层
+        一次 C 调用（两种混合器的 whole_layer），否则混合器照第 9 章、MLP 那一半一次 C 调用（mlp_block）；其余照第 9 章。"""
         if self.rows is not None and self.rows.joined() and self.can_share(x, state, valid):
             return self.rows.layer(self, x, cos, sin, state)
         if self.block is None or x.shape[1] > STEP_ROWS or torch.is_grad_enabled():
@@ -286,10 +296,7 @@ class FastDecoderLayer(DecoderLayer):
         if self.layer_type == "linear_attention" and state is not None and valid is None:
             return self.linear_attn.whole_layer(self, x, state)
         if self.layer_type == "full_attention" and self.block.H and self.self_attn.can_step(state, valid):
-            state.reserve(state.length + x.shape[1], x.new_empty(x.shape[0], self.self_attn.num_kv_heads, 0, self.block.D))
-            out = self.mlp.down_proj.kernel.attention_layer(self.block, x, cos, sin, state)
-            state.length += x.shape[1]
-            return out
+            return self.self_attn.whole_layer(self, x, cos, sin, state)
         x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
         return self.mlp.down_proj.kernel.mlp_block(self.block, x)
 
