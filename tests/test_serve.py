@@ -396,6 +396,28 @@ def test_structured_output_round_trip_with_the_openai_client(served):
     assert text.startswith("{") and (loose.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
 
 
+def test_n_samples_are_distinct_reproducible_and_each_its_own_run(served):
+    """n = 4、给了 seed：四个回答各不相同，再问一次一模一样；第 i 个与用 seed + i 单独请求的相同。流式时每块带自己的
+    index，按 index 拼起来与非流式的相同；usage 的提示词只算一次。"""
+    client, _, _, _ = served
+    messages = [{"role": "user", "content": "写一首诗"}]
+    kw = dict(model=NAME, messages=messages, max_tokens=12, temperature=1.0, seed=7, n=4)
+    first, again = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
+    assert texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
+    alone = [client.chat.completions.create(**(kw | {"n": 1, "seed": 7 + i})) for i in range(4)]
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert first.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert first.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    parts, reasons = ["", "", "", ""], {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert parts == texts and set(reasons) == {0, 1, 2, 3} and None not in reasons.values()
+
+
 # ---------- 坏的请求：4xx 与 OpenAI 的错误体，有没有对话模板都是 ----------
 
 HI = [{"role": "user", "content": "hi"}]
@@ -420,7 +442,6 @@ BAD = [
     ({"messages": [{"role": "user", "content": 5}]}, 400, "content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "data: URL"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "name"),
-    ({"messages": HI, "n": 2}, 400, "n 只支持 1"),
     ({"messages": HI, "max_tokens": -3}, 400, "max_tokens"),
     ({"messages": HI, "max_tokens": 10**6}, 400, "max_tokens"),
     ({"messages": HI, "max_completion_tokens": 5, "max_tokens": "abc"}, 400, "max_tokens"),
@@ -450,6 +471,7 @@ BAD = [
     ({"messages": HI, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
     ({"messages": HI, "user": 5}, 400, "user"),
     ({"model": "gpt-4", "messages": HI}, 404, "gpt-4"),
+    ({"messages": HI, "n": 9}, 400, "n 应在"),
 ]
 
 

@@ -168,7 +168,12 @@ async def completions(http: HttpRequest):
 async def answer(http, server: Server, job: Job):
     """交给引擎，再回答：流式的一块块 SSE，否则等整个回答体。Reply 先接好 token 的去处，再提交。"""
     reply = Reply(job, server.name)
-    server.submit(job.request)
+    try:
+        for request in job.requests:  # n 个回答：各是引擎里的一个请求
+            server.submit(request)
+    except ApiError:
+        reply.cancel()  # 已经交出去的也不要了
+        raise
     if job.stream:
         return StreamingResponse(reply.events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
     return await reply.whole(http)

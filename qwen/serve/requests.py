@@ -21,6 +21,7 @@ CHAT_FIELDS = COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 UNSUPPORTED = (("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("echo", False), ("suffix", ""), ("best_of", 1))  # 这些只能不给或是“关”的值：我们做不到，就不收
 MAX_STOP = 500  # 一个停止字符串至多这么多个字
+MAX_N = 8  # 一次请求至多要这么多个回答（n）：每个是引擎里一个自己的请求，占一个生成的位置
 GREEDY_BELOW = 1e-5  # 比这还低的 temperature 按贪心算（与 vLLM 相同：再低 logits / temperature 就溢出了）
 # 服务收的范围：OpenAI（与 vLLM）给这几项的，比 RULES 窄——RULES 说的是模型能算什么，这里是服务收什么。收窄也是防线：
 # repetition_penalty 太小时罚过的 logits 除以它溢出成 inf，采样的分布成了 NaN，那就是 500 而不是 400。
@@ -31,9 +32,9 @@ API_RANGES = {"temperature": (0, 2), "top_p": (1e-6, 1), "top_k": (-1, None), "p
 
 @dataclass
 class Job:
-    """一个查过的请求：引擎的 Request、把 token 读回文字的 Reader、流不流式、要不要 usage 块、是不是对话。"""
-    request: Request
-    reader: Reader
+    """一个查过的请求：n 个回答各一个引擎的 Request 与把 token 读回文字的 Reader，流不流式、要不要 usage 块、是不是对话。"""
+    requests: list
+    readers: list
     stream: bool
     include_usage: bool
     chat: bool
@@ -49,8 +50,7 @@ def check_common(body, fields, name: str):
     model = body.get("model")
     if model is not None and model != name:
         raise ApiError(404, f"没有模型 {show(model)}：这里只有 {name!r}（见 GET /v1/models）", "model", "model_not_found")
-    if number(body, "n", 1, integer=True) not in (None, 1):
-        raise ApiError(400, "n 只支持 1：一次请求一个回答", "n")
+    number(body, "n", 1, MAX_N, integer=True)
     for field, off in UNSUPPORTED:
         value = body.get(field)
         if value is not None and (value != off or isinstance(value, bool) != isinstance(off, bool)):
@@ -151,8 +151,18 @@ def chat_job(body, server) -> Job:
         raise ApiError(400, str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
-    reader = Reader(chat.tk, think, stops(body), tools is not None)
-    return Job(request(ids, body, server, keep, images, grammar), reader, *stream_flags(body), chat=True)
+    requests = copies(request(ids, body, server, keep, images, grammar), body)
+    readers = [Reader(chat.tk, think, stops(body), tools is not None) for _ in requests]
+    return Job(requests, readers, *stream_flags(body), chat=True)
+
+
+def copies(first: Request, body) -> list:
+    """n 个回答：第 i 个是 first 的一份，给了 seed 时用 seed + i（可复现，彼此不同；贪心时 n 个相同，与 OpenAI 一样）。"""
+    out, s = [first], first.sampling
+    for i in range(1, number(body, "n", 1, MAX_N, integer=True) or 1):
+        seed = None if s.seed is None else (s.seed + i + 2**63) % 2**64 - 2**63  # 留在 64 位有符号整数里
+        out.append(Request(first.ids, first.max_tokens, first.stop, Sampling.of(s, seed=seed), first.keep, first.images))
+    return out
 
 
 def response_grammar(fmt, server, think: bool):
@@ -187,5 +197,6 @@ def completion_job(body, server) -> Job:
         ids = server.chat.encode(prompt)[0].tolist()
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from None
-    reader = Reader(server.chat.tk, False, stops(body), False)
-    return Job(request(ids, body, server), reader, *stream_flags(body), chat=False)
+    requests = copies(request(ids, body, server), body)
+    return Job(requests, [Reader(server.chat.tk, False, stops(body), False) for _ in requests], *stream_flags(body),
+               chat=False)

@@ -8,35 +8,54 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from .engine import Request
 from .errors import engine_error
 
 
-def usage(request: Request) -> dict:
-    prompt = len(request.ids)
-    return {"prompt_tokens": prompt, "completion_tokens": len(request.tokens),
-            "total_tokens": prompt + len(request.tokens),
-            "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
+def usage(requests: list) -> dict:
+    """n 个回答共用一个提示词：提示词只算一次，生成的 token 加起来（OpenAI 的算法）。"""
+    prompt, made = len(requests[0].ids), sum(len(r.tokens) for r in requests)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
+            "prompt_tokens_details": {"cached_tokens": requests[0].cached_tokens}}
+
+
+@dataclass
+class Choice:
+    """n 个回答里的第 index 个：引擎的请求、把 token 读回文字的 Reader、引擎线程送来 token 的队列。"""
+    index: int
+    request: Request
+    reader: object
+    tokens: asyncio.Queue
+
+
+DONE = object()  # 合在一起的流里：这个回答写完了
 
 
 class Reply:
-    """一个请求的回答：从引擎读 token，拼成 OpenAI 的回答体（whole）或一块块 SSE（events）。"""
+    """一个请求的回答（n 个 choice）：从引擎读 token，拼成 OpenAI 的回答体（whole）或一块块 SSE（events）。"""
 
     def __init__(self, job, name: str):  # job：requests.py 的 Job；name：/v1/models 里的名字
         self.name = name
         self.job = job
-        self.request, self.reader, self.chat = job.request, job.reader, job.chat
+        self.chat = job.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.tokens = asyncio.Queue()
-        self.request.out = Forward(asyncio.get_running_loop(), self.tokens)
+        loop = asyncio.get_running_loop()
+        self.choices = [Choice(i, r, reader, asyncio.Queue()) for i, (r, reader) in enumerate(zip(job.requests, job.readers))]
+        for c in self.choices:
+            c.request.out = Forward(loop, c.tokens)
 
-    async def pieces(self):
-        """逐块产出 (reasoning, content)；停止字符串命中时让引擎停下。"""
-        request, reader = self.request, self.reader
+    def cancel(self):
+        for c in self.choices:
+            c.request.cancel()
+
+    async def pieces(self, c: Choice):
+        """一个回答逐块产出 (reasoning, content)；停止字符串命中时让引擎停下它。"""
+        request, reader = c.request, c.reader
         while True:
-            t = await self.tokens.get()
+            t = await c.tokens.get()
             if t is None:
                 if request.error is not None and not reader.stopped:  # 停止字符串之后的错误（比如关闭）无关紧要
                     raise engine_error(request.error)
@@ -49,72 +68,102 @@ class Reply:
                 request.cancel()
             yield out
 
-    def finish(self):
-        calls = self.reader.tool_calls() if self.chat else []
-        reason = "stop" if self.reader.stopped else self.request.finish_reason
+    def finish(self, c: Choice):
+        calls = c.reader.tool_calls() if self.chat else []
+        reason = "stop" if c.reader.stopped else c.request.finish_reason
         return calls, "tool_calls" if calls else ("stop" if reason == "cancelled" else reason)
 
     async def whole(self, http) -> dict:
-        """非流式：等回答写完。等的时候看着连接：客户端断开就让引擎停下（没有人读这个连接时，只有这样才知道）。"""
-        watch = asyncio.ensure_future(disconnected(http, self.request))
+        """非流式：等 n 个回答都写完。等的时候看着连接：客户端断开就让引擎停下（没有人读这个连接时，只有这样才知道）。"""
+        watch = asyncio.ensure_future(disconnected(http, self))
         try:
-            async for _ in self.pieces():
-                pass
+            await asyncio.gather(*(self.read_all(c) for c in self.choices))
         finally:
             watch.cancel()
-            self.request.cancel()
-        calls, reason = self.finish()
-        if self.chat:
-            message = {"role": "assistant", "content": self.reader.content or (None if calls else "")}
-            if self.reader.reasoning:
-                message["reasoning_content"] = self.reader.reasoning
-            if calls:
-                message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": self.reader.content, "finish_reason": reason, "logprobs": None}
+            self.cancel()
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-                "model": self.name, "choices": [choice], "usage": usage(self.request)}
+                "model": self.name, "choices": [self.body(c) for c in self.choices],
+                "usage": usage(self.job.requests)}
+
+    async def read_all(self, c: Choice):
+        async for _ in self.pieces(c):
+            pass
+
+    def body(self, c: Choice) -> dict:
+        """非流式回答里的一个 choice。"""
+        calls, reason = self.finish(c)
+        if not self.chat:
+            return {"index": c.index, "text": c.reader.content, "finish_reason": reason, "logprobs": None}
+        message = {"role": "assistant", "content": c.reader.content or (None if calls else "")}
+        if c.reader.reasoning:
+            message["reasoning_content"] = c.reader.reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None}
 
     def chunk(self, choices, **more) -> str:
         data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.name, "choices": choices}
         return f"data: {json.dumps(data | more, ensure_ascii=False)}\n\n"
 
-    def delta(self, **fields) -> list:
+    def delta(self, c: Choice, **fields) -> list:
         if self.chat:
-            return [{"index": 0, "delta": fields, "finish_reason": None, "logprobs": None}]
-        return [{"index": 0, "text": fields.get("content", ""), "finish_reason": None, "logprobs": None}]
+            return [{"index": c.index, "delta": fields, "finish_reason": None, "logprobs": None}]
+        return [{"index": c.index, "text": fields.get("content", ""), "finish_reason": None, "logprobs": None}]
 
     async def events(self):
-        """流式：一块块的 SSE。客户端断开时 Starlette 取消这个生成器，finally 让引擎停下；出错时发一块 error、没有 [DONE]。"""
+        """流式：一块块的 SSE，n 个回答的块按到来的先后交错（每块带自己的 index）。客户端断开时 Starlette 取消这个生成器，
+        finally 让引擎停下；出错时发一块 error、没有 [DONE]。"""
+        merged = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self.forward(c, merged)) for c in self.choices]
         try:
             if self.chat:
-                yield self.chunk(self.delta(role="assistant", content=""))
-            async for r, c in self.pieces():
-                if r:
-                    yield self.chunk(self.delta(reasoning_content=r))
-                if c:
-                    yield self.chunk(self.delta(content=c))
-            calls, reason = self.finish()
-            if calls:
-                yield self.chunk(self.delta(tool_calls=[{"index": i, **call} for i, call in enumerate(calls)]))
-            last = {"index": 0, "finish_reason": reason, "logprobs": None}
-            yield self.chunk([last | ({"delta": {}} if self.chat else {"text": ""})])
+                for c in self.choices:
+                    yield self.chunk(self.delta(c, role="assistant", content=""))
+            for _ in self.choices:
+                while (item := await merged.get())[1] is not DONE:
+                    c, piece = item
+                    if isinstance(piece, Exception):
+                        raise piece
+                    if piece[0]:
+                        yield self.chunk(self.delta(c, reasoning_content=piece[0]))
+                    if piece[1]:
+                        yield self.chunk(self.delta(c, content=piece[1]))
+                for chunk in self.last_chunks(item[0]):
+                    yield chunk
             if self.job.include_usage:
-                yield self.chunk([], usage=usage(self.request))
+                yield self.chunk([], usage=usage(self.job.requests))
             yield "data: [DONE]\n\n"
         except Exception as e:  # 已经开始流式发送：错误作为一块 error 发出
             yield f"data: {json.dumps(engine_error(e).body, ensure_ascii=False)}\n\n"
         finally:
-            self.request.cancel()  # 客户端断开（或出错）：引擎在下一个 token 之前停下，释放这个请求的状态
+            for task in tasks:
+                task.cancel()
+            self.cancel()  # 客户端断开（或出错）：引擎在下一个 token 之前停下，释放这些请求的状态
+
+    async def forward(self, c: Choice, merged: asyncio.Queue):
+        """把一个回答的块放进合在一起的队列：(c, (reasoning, content))，出错时 (c, 错误)，写完时 (c, DONE)。"""
+        try:
+            async for piece in self.pieces(c):
+                await merged.put((c, piece))
+        except Exception as e:
+            await merged.put((c, e))
+        await merged.put((c, DONE))
+
+    def last_chunks(self, c: Choice):
+        """一个回答写完：工具调用（有的话）与带 finish_reason 的最后一块。"""
+        calls, reason = self.finish(c)
+        if calls:
+            yield self.chunk(self.delta(c, tool_calls=[{"index": i, **call} for i, call in enumerate(calls)]))
+        last = {"index": c.index, "finish_reason": reason, "logprobs": None}
+        yield self.chunk([last | ({"delta": {}} if self.chat else {"text": ""})])
 
 
-async def disconnected(http, request: Request):
-    """等到客户端断开（请求体已经读完：之后 receive 只会等来 http.disconnect），让引擎停下这个请求。"""
+async def disconnected(http, reply: Reply):
+    """等到客户端断开（请求体已经读完：之后 receive 只会等来 http.disconnect），让引擎停下这个回答的请求。"""
     while (await http.receive())["type"] != "http.disconnect":
         pass
-    request.cancel()
+    reply.cancel()
 
 
 class Forward:
