@@ -79,3 +79,15 @@ def test_the_sampling_value_carries_the_grammar_to_a_batch(lively):
     rows = generate_batch(model, ids, 40, stop=chat.stop, grammar=grammar)
     for row in rows:
         jsonschema.validate(json.loads(text_of(chat, row)), SCHEMAS["enum"])
+
+
+def test_without_llguidance_the_error_names_the_extra(lively, monkeypatch):
+    """没装 llguidance：一行说出要装的 extra（pip install "qwen[grammar]"），不是 ModuleNotFoundError 的 traceback。"""
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__",
+                        lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name)) if name == "llguidance" else real(name, *a, **k))
+    _, _, chat, _ = loaded(lively, "bfloat16")
+    with pytest.raises(ImportError, match=r'pip install "qwen\[grammar\]"'):
+        Grammars(chat, 1000)
