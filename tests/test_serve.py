@@ -394,6 +394,10 @@ def test_structured_output_round_trip_with_the_openai_client(served):
                                            response_format={"type": "json_object"})
     text = loose.choices[0].message.content
     assert text.startswith("{") and (loose.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    long = {"type": "json_schema", "json_schema": {"name": "long", "schema": {  # 8 个 token 写不完：截断，给出写了的部分
+        "type": "object", "properties": {"essay": {"type": "string", "minLength": 500}}, "required": ["essay"]}}}
+    cut = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, response_format=long)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith('{"essay":')
 
 
 def test_n_samples_are_distinct_reproducible_and_each_its_own_run(served):
