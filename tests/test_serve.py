@@ -471,7 +471,7 @@ BAD = [
     ({"messages": HI, "tools": "x"}, 400, "tools"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
     ({"messages": HI, "tools": ["get_weather"]}, 400, "tools"),
-    ({"messages": HI, "tool_choice": "none"}, 400, "tool_choice"),
+    ({"messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": HI, "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
     ({"messages": HI, "user": 5}, 400, "user"),
     ({"model": "gpt-4", "messages": HI}, 404, "gpt-4"),
@@ -570,6 +570,13 @@ def test_tool_call_round_trip_in_the_openai_shape(served, monkeypatch):
     same = client.chat.completions.create(model=NAME, messages=as_dict, tools=WEATHER, max_tokens=4, temperature=0)
     assert again.usage.prompt_tokens == same.usage.prompt_tokens
     assert again.choices[0].message.content == same.choices[0].message.content
+    with monkeypatch.context() as m:  # tool_choice "none"：工具不写进提示词，写出的 <tool_call> 只是正文（同 vLLM 的默认）
+        m.setattr(engine, "submit", scripted)
+        none = client.chat.completions.create(model=NAME, messages=question, tools=WEATHER, tool_choice="none", max_tokens=8)
+    bare = client.chat.completions.create(model=NAME, messages=question, max_tokens=1)
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens < first.usage.prompt_tokens
+    assert none.choices[0].finish_reason == "stop" and not none.choices[0].message.tool_calls
+    assert none.choices[0].message.content == text
 
 
 def test_completions_and_the_tool_call_reader(served):

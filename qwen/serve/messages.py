@@ -1,5 +1,5 @@
 """附录 · 服务：每条消息与每个工具。角色、字段、类型都查：不认识的 400，不支持的说明并拒绝（远程图像、视频、strict 的工具、
-tool_choice 不是 "auto"……），不默默忽略。没有对话模板的检查点（demo）把各条消息的内容原样接起来续写：系统与工具消息、
+tool_choice 是 "required" 或指定函数……），不默默忽略。没有对话模板的检查点（demo）把各条消息的内容原样接起来续写：系统与工具消息、
 tools、工具调用与思考都无处可放，也是 400。"""
 
 import re
@@ -123,10 +123,12 @@ def check_messages(messages, templated: bool) -> list[dict]:
 
 def check_tools(body, templated: bool) -> list | None:
     """tools：每个是 {"type": "function", "function": {"name", "description", "parameters"}}；空列表等于没给。
-    tool_choice 只支持 "auto"（模型自己决定），parallel_tool_calls 只支持 true：别的我们做不到，就不收。"""
+    tool_choice："auto"（模型自己决定）或 "none"（不调工具：工具照样查，但不写进提示词、回答里也不找工具调用，同 vLLM
+    的默认）；"required" 与指定函数还不支持。parallel_tool_calls 只支持 true：别的我们做不到，就不收。"""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice not in (None, "auto"):
-        raise ApiError(400, f"tool_choice 只支持 \"auto\"（模型自己决定调不调工具），收到 {show(choice)}", "tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise ApiError(400, f"tool_choice 只支持 \"auto\"（模型自己决定调不调工具）与 \"none\"（不调），收到 {show(choice)}",
+                       "tool_choice")
     if body.get("parallel_tool_calls") not in (None, True):
         raise ApiError(400, "parallel_tool_calls 只支持 true：模型一次可以写几个工具调用", "parallel_tool_calls")
     if tools is None or tools == []:
@@ -150,7 +152,7 @@ def check_tools(body, templated: bool) -> list | None:
             raise ApiError(400, f"tools[{j}].function 的 description 应为字符串、parameters 应为对象（JSON Schema）", "tools")
         if fn.get("strict"):
             raise ApiError(400, f"tools[{j}]：不支持 strict（输出不受 JSON Schema 约束）", "tools")
-    return tools
+    return None if choice == "none" else tools
 
 
 def thinking(body, templated: bool) -> bool:
