@@ -33,7 +33,7 @@ class Grammars:
         self.tokenizer = llg.LLTokenizer(chat.tk.to_str(), n_vocab=vocab_size, eos_token=list(chat.stop))
 
     def json_schema(self, schema) -> "Grammar":
-        """JSON Schema（dict 或它的 JSON 文字）→ Grammar。不是 JSON Schema、或 llguidance 编译不了时 ValueError 说出原因。"""
+        """JSON Schema（dict）→ Grammar。不是 JSON Schema、或 llguidance 编译不了时 ValueError 说出原因。"""
         llg = llguidance()
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"schema 应为 JSON Schema（一个对象），收到 {type(schema).__name__}")
@@ -45,10 +45,6 @@ class Grammars:
         if error and not error.startswith("WARNING"):
             raise ValueError(f"schema 编译不了：{error}")
         return Grammar(self, text)
-
-    def json_object(self) -> "Grammar":
-        """任意一个 JSON 对象（OpenAI 的 response_format {"type": "json_object"}）。"""
-        return self.json_schema({"type": "object"})
 
 
 class Grammar:
@@ -70,14 +66,14 @@ class Matcher:
         self.bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 
     def allowed(self) -> torch.Tensor:
-        """此刻许可的 token → [vocab_size] bool。文法已出错（不该发生：只生成许可的 token）时只许停止符。"""
+        """此刻许可的 token → [vocab_size] bool（llguidance 给的是每个 token 一位的位图）。"""
         packed = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.uint8)
         return (packed[:, None] & self.bits).ne(0).flatten()[: self.vocab_size]
 
     def mask(self, logits: torch.Tensor, extra=()) -> torch.Tensor:
         """logits [1, V']（V' ≤ 词表：起草的子词表是前 V' 个）→ 不许的取 −∞ 的新张量。"""
         moved = self.m.try_consume_tokens(list(extra)) if extra else 0
-        if moved < len(extra):  # 前面的草稿就不合文法：这一位置反正不会被接受，不许任何 token 以外照常
+        if moved < len(extra):  # 前面有个草稿不合文法：验证在那个草稿处就停了，这一位置的结果用不着，照原样返回
             self.m.rollback(moved)
             return logits
         ok = self.allowed()[: logits.shape[-1]]

@@ -255,7 +255,8 @@ def test_bad_shard_index_names_the_file(tiny, tmp_path, text):
 
 
 def test_bad_tokenizer_and_text_are_clear_errors(tiny, tmp_path):
-    """tokenizer.json 不是 JSON：ValueError 说出文件（第 14 章的脚本也是一行错误）；单独的代理字符（不是合法的 Unicode）：ValueError，不是分词器深处的 TypeError。"""
+    """tokenizer.json 不是 JSON：ValueError 说出文件（第 14 章的脚本也是一行错误）；单独的代理字符（不是合法的 Unicode）：
+    ValueError，不是分词器深处的 TypeError。"""
     from qwen import Chat
 
     model = Model.from_pretrained(tiny[0], dtype=torch.float32)

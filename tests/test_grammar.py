@@ -70,15 +70,17 @@ def test_bad_schemas_are_clear_errors(lively, schema, words):
 
 
 def test_the_sampling_value_carries_the_grammar_to_a_batch(lively):
-    """文法是 Sampling 的一项：一次生成取一份自己的状态，同一个 Grammar 给两次生成、给批里的两行都行。"""
+    """文法是 Sampling 的一项：一次生成取一份自己的状态，同一个 Grammar 给批里的两行：每行合乎 schema，且与它单独生成的
+    逐个相同（批的一行就是它自己的运行，文法下也是）。"""
     from qwen.batch import generate_batch
 
     model, _, chat, grammars = loaded(lively, "bfloat16")
     grammar = grammars.json_schema(SCHEMAS["enum"])
     ids = [prompt(model.cfg.vocab_size, n, seed=n)[0].tolist() for n in (5, 9)]
     rows = generate_batch(model, ids, 40, stop=chat.stop, grammar=grammar)
-    for row in rows:
+    for p, row in zip(ids, rows):
         jsonschema.validate(json.loads(text_of(chat, row)), SCHEMAS["enum"])
+        assert row == generate(model, torch.tensor([p]), 40, stop=chat.stop, grammar=grammar)
 
 
 def test_without_llguidance_the_error_names_the_extra(lively, monkeypatch):

@@ -234,8 +234,7 @@ class Kernel:
         out, (cos, sin) = torch.empty_like(x), (t.float().contiguous() for t in (cos, sin))
         self.lib.attention_layer(ctypes.byref(params), x.data_ptr(), out.data_ptr(), B, T, cos.data_ptr(), sin.data_ptr(),
                                  T * cos.shape[-1] if cos.dim() == 3 else 0, cos.shape[-1], state.k_buf.data_ptr(),
-                                 state.v_buf.data_ptr(),
-                                 state.k_buf.shape[2], state.length)
+                                 state.v_buf.data_ptr(), state.k_buf.shape[2], state.length)
         return out
 
     def attention_step(self, params: LayerParams, qkv, cos, sin, state) -> torch.Tensor:

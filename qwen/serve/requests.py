@@ -19,7 +19,8 @@ COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tok
 CHAT_FIELDS = COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                         "response_format"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
-UNSUPPORTED = (("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("echo", False), ("suffix", ""), ("best_of", 1))  # 这些只能不给或是“关”的值：我们做不到，就不收
+# 这些只能不给或是“关”的值：我们做不到，就不收
+UNSUPPORTED = (("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("echo", False), ("suffix", ""), ("best_of", 1))
 MAX_STOP = 500  # 一个停止字符串至多这么多个字
 MAX_N = 8  # 一次请求至多要这么多个回答（n）：每个是引擎里一个自己的请求，占一个生成的位置
 GREEDY_BELOW = 1e-5  # 比这还低的 temperature 按贪心算（与 vLLM 相同：再低 logits / temperature 就溢出了）
