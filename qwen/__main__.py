@@ -40,6 +40,15 @@ def number(kind, low=None, high=None, low_open=False):
     return parse
 
 
+def bias(text: str) -> tuple:
+    """--logit-bias 的 type：ID=数 → (token id, 加到它 logit 上的数，[-100, 100])。"""
+    token, _, value = text.partition("=")
+    try:
+        return number(int, 0)(token), number(float, -100, 100)(value)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"要 ID=数（比如 151645=-100：不许这个 token），{text!r} 不对：{e}") from None
+
+
 def setting(name: str):
     """一项采样设置的 argparse type：范围取第 12 章的 RULES（与 Sampling.check、服务是同一张表）。"""
     integer, low, high, low_open, _ = RULES[name]
@@ -87,6 +96,8 @@ def chat_arguments(sub) -> None:
     p.add_argument("--presence-penalty", type=setting("presence_penalty"), default=None, help="生成过的 token 的 logit 减去它（0 为不罚）")
     p.add_argument("--frequency-penalty", type=setting("frequency_penalty"), default=None,
                    help="生成过 n 次的 token 的 logit 减去 n 倍的它（0 为不罚；小模型重复个没完时用）")
+    p.add_argument("--logit-bias", type=bias, action="append", default=[], metavar="ID=BIAS",
+                   help="给 token ID 的 logit 加上 BIAS（[-100, 100]；-100 即不许它；可以重复）")
     p.add_argument("--seed", type=setting("seed"), default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
     p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
@@ -98,7 +109,7 @@ def answer(conversation, messages, args) -> str:
     """流式打印一轮回答，结尾打印 token 数、秒数、速度与草稿的接受率；返回完整文字。"""
     settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                    frequency_penalty=args.frequency_penalty)
+                    frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias) or None)
     pieces = []
     for piece in conversation.reply(messages, args.think, args.max_new_tokens, **settings):
         pieces.append(piece)

@@ -137,7 +137,7 @@ class Conversation:
 
     def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, **settings):
         """对一组消息流式产出助手的回答（文字片段）。sampling（Sampling）或 settings（temperature、top_k、top_p、
-        repetition_penalty、presence_penalty、frequency_penalty、seed）：没给（或 None）的取检查点的默认值。上一个回答的生成器还没读完
+        repetition_penalty、presence_penalty、frequency_penalty、logit_bias、seed）：没给（或 None）的取检查点的默认值。上一个回答的生成器还没读完
         （也没关掉）时报错：留下的状态与统计属于一个对话，几个并发的对话请各用自己的 Conversation。"""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError("这个 Conversation 的上一个回答还没生成完（生成器没读完也没关掉）：并发的对话请各用自己的 "

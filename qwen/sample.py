@@ -2,11 +2,12 @@
 再把它喂回模型，直到停止符或 max_new_tokens。怎么“选”（这些设置合起来是一个值 Sampling）：
 - temperature = 0：贪心，取 argmax，投机解码的第 14 章以它为准；temperature > 0：按 softmax(logits / T) 抽样。
 - top_k：只在分数最高的 k 个词里抽；top_p（核采样）：只在累计概率刚达到 p 的最小词集里抽。都是先截断、再重新归一化。
-- 在这之前可以先罚重复（Penalty）：repetition_penalty 让出现过的 token 的 logit 变小（贪心也罚），presence_penalty、
-  frequency_penalty 让生成过的减去一个常数、再按次数减；给了文法（grammar，附录 qwen/grammar.py）时不合它的取 −∞。
+- 在这之前可以先改 logits（Penalty）：repetition_penalty 让出现过的变小（贪心也罚），presence_penalty、frequency_penalty 让生成
+  过的减去一个常数、再按次数减，logit_bias 加给指定的 token；给了文法（grammar，附录 qwen/grammar.py）时不合它的取 −∞。
 """
 
 from dataclasses import dataclass, fields, replace
+from functools import reduce
 
 import torch
 
@@ -33,7 +34,9 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: dict | None = None  # {token id: 加到它的 logit 上的数}（OpenAI 的 logit_bias；−100 几乎等于不许）
     grammar: object = None  # 只许合乎它的 token：有 matcher() 的对象，每次生成取一份自己的状态（附录的 Grammar）
+    logprobs: object = None  # 记下每个生成的 token 的对数概率：也有 matcher()，它的状态看原样的 logits（附录的 Logprobs）
 
     def __post_init__(self):
         for name in [f.name for f in fields(self) if f.name in RULES]:
@@ -42,10 +45,9 @@ class Sampling:
     @staticmethod
     def check(name: str, v) -> None:  # 不合法（类型不对也算：不做默默的转换）时是一行清楚的 ValueError
         integer, low, high, low_open, what = RULES[name]
-        if v is None and name in ("top_k", "top_p", "seed"):
-            return
-        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or v != v or (
-                low is not None and (v < low or low_open and v == low)) or (high is not None and v > high):
+        bad = isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or v != v or (
+            low is not None and (v < low or low_open and v == low)) or (high is not None and v > high)
+        if bad and not (v is None and name in ("top_k", "top_p", "seed")):
             raise ValueError(f"{name} {what}，收到 {v!r}")
 
     @classmethod
@@ -61,13 +63,17 @@ class Sampling:
 
 
 class Penalty:
-    """罚重复：提示词里有哪些 token、每个生成过几次 n，是生成时带着走的一点状态（每行一个 [V]）。repetition_penalty = r：
-    出现过的 logit 为正时除以 r、为负时乘以 r（CTRL）；减去 presence_penalty·[n > 0] + frequency_penalty·n（OpenAI）。"""
+    """改 logits：生成时带着走的一点状态（每行：提示词里有哪些 token、每个生成过几次 n）。repetition_penalty = r：出现过的
+    logit 为正时除以 r、为负时乘以 r（CTRL）；减去 presence·[n > 0] + frequency·n（OpenAI）、加上 logit_bias；rules 见附录。"""
 
     def __init__(self, prompts, vocab_size: int, s: Sampling):  # prompts：每行真实 token 的一维 id 张量（不含填充）
         self.repetition, self.presence, self.frequency = s.repetition_penalty, s.presence_penalty, s.frequency_penalty
-        self.active = self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
-        self.rules = [] if s.grammar is None else [s.grammar.matcher() for _ in prompts]  # 每行文法走到了哪儿
+        if not isinstance(bias := s.logit_bias or {}, dict) or not all(type(t) is int and 0 <= t < vocab_size and type(v) in (int, float)
+                                                                        and abs(v) <= 100 for t, v in bias.items()):
+            raise ValueError(f"logit_bias 应为 {{词表里的 token id（0…{vocab_size - 1}）: [-100, 100] 内的数}}，收到 {bias!r}")
+        self.bias = torch.zeros(vocab_size).index_put_((torch.tensor([*bias], dtype=torch.long),), torch.tensor([*bias.values()]).float())
+        self.active = self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0 or bool(s.logit_bias)
+        self.rules = [[r.matcher() for r in (s.logprobs, s.grammar) if r is not None] for _ in prompts]  # 每行：先记对数概率，再按文法
         self.seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool)  # [B, V]：提示词里有的
         self.made = torch.zeros(len(prompts), vocab_size)  # [B, V]：已生成了几次
         for b, p in enumerate(prompts):
@@ -75,31 +81,28 @@ class Penalty:
 
     def add(self, tokens) -> None:  # 每行新生成的一个或几个 token：[B] 或 [B, n]
         tokens = torch.as_tensor(tokens).reshape(self.seen.shape[0], -1).cpu()
-        for rule, row in zip(self.rules, tokens):
+        for rule, row in [(rule, row) for rules, row in zip(self.rules, tokens) for rule in rules]:
             rule.add(row)
         rows = torch.arange(self.seen.shape[0])[:, None].expand_as(tokens)  # 同一个 token 几次就加几
         self.made.index_put_((rows, tokens), torch.ones(tokens.shape), accumulate=True)
 
     def __call__(self, logits: torch.Tensor, extra=()) -> torch.Tensor:
         """logits [B, V']（V' 可小于词表：起草的子词表）→ 罚过的 logits。extra：第 0 行之前多出的 token（验证时前面的草稿）。"""
-        if self.rules:  # 文法：第 0 行先沿 extra 前进，算完退回
-            logits = torch.cat([r.mask(logits[b : b + 1], extra if b == 0 else ()) for b, r in enumerate(self.rules)])
+        if any(self.rules):  # 每行依次过它的 rules（文法：第 0 行先沿 extra 前进，算完退回）
+            logits = torch.cat([reduce(lambda x, r: r.mask(x, extra if b == 0 else ()), rules, logits[b : b + 1])
+                                for b, rules in enumerate(self.rules)])
         if not self.active:
             return logits
         V, extra = logits.shape[-1], torch.tensor([t for t in extra if t < logits.shape[-1]], dtype=torch.long)
-        seen, made = self.seen[:, :V], self.made[:, :V]
-        if len(extra):  # 只在这一次算进去，不改动记下的状态
-            made = made.clone()
-            made[0].index_put_((extra,), torch.ones(len(extra)), accumulate=True)
+        seen, made = self.seen[:, :V], self.made[:, :V].index_put((0 * extra, extra), torch.ones(len(extra)), accumulate=True)  # extra 只这次算
         if (r := self.repetition) != 1.0:
             seen = (seen | (made > 0)).to(logits.device)  # 提示词里的与生成过的
             logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-        made = made.to(logits.device, logits.dtype)
-        return logits - self.presence * (made > 0).to(logits.dtype) - self.frequency * made
+        made, bias = made.to(logits.device, logits.dtype), self.bias[:V].to(logits.device, logits.dtype)
+        return logits - self.presence * (made > 0).to(logits.dtype) - self.frequency * made + bias
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_k=None, top_p=None) -> torch.Tensor:
-    """logits [..., V] → 截断并重新归一化后的概率 [..., V]（temperature > 0）。"""
+def probabilities(logits: torch.Tensor, temperature: float, top_k=None, top_p=None) -> torch.Tensor:  # → 截断、重新归一化的 [..., V]
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # 第 k 大的分数
@@ -114,13 +117,11 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k=None, top_p=No
 
 
 def pick(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:  # [B, V] → [B]
-    if temperature == 0:
-        return logits.argmax(-1)
-    return torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+    p = None if temperature == 0 else probabilities(logits, temperature, top_k, top_p)
+    return logits.argmax(-1) if p is None else torch.multinomial(p, 1, generator=generator)[:, 0]
 
 
-def choose(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None):
-    """一个位置的 logits [V] → (token, 抽样用的概率分布；贪心时为 None)。第 14 章的投机解码要这个分布。"""
+def choose(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None):  # [V] → (token, 分布；贪心时 None)：第 14 章要它
     p = None if temperature == 0 else probabilities(logits, temperature, top_k, top_p)
     return int(logits.argmax() if p is None else torch.multinomial(p, 1, generator=generator)), p
 
@@ -155,6 +156,5 @@ def stream(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = 
         logits = model(token[:, None], state)[:, -1]  # 解码：一次一个 token
 
 
-def generate(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, **settings) -> list:
-    """生成并返回新 token 的列表（不含提示词；命中停止符时它是最后一个）。"""
+def generate(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, **settings) -> list:  # 新 token（含停止符）
     return list(stream(model, ids, max_new_tokens, stop, sampling, **settings))
