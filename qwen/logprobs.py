@@ -25,8 +25,8 @@ MAX_TOP = 20  # top_logprobs 至多这么多个（OpenAI 与 vLLM 的上限）
 class Entry:
     """一个 token 的：它的 id、对数概率，与那一行最可能的前 N 个 [(id, 对数概率)]（从大到小）。"""
     token: int
-    logprob: float
-    top: list
+    logprob: float | None
+    top: list | None
 
 
 class Logprobs:
@@ -69,9 +69,9 @@ class Record:
 
 @torch.inference_mode()
 def prompt_logprobs(model, ids: list, top: int = 0, piece: int = 64) -> list:
-    """提示词每个位置的 Entry（第 0 个没有前文：None）：第 i 个 token 在第 i − 1 行上的对数概率。一段 piece 个位置地读，
+    """提示词每个位置的 Entry（第 0 个没有前文：logprob 与 top 是 None）：第 i 个 token 在第 i − 1 行上的对数概率。一段 piece 个位置地读，
     每段的 logits [piece, V] 用完就放掉（整个提示词一次算出来要 T × V 个数）。"""
-    state, out = State(model), [None]
+    state, out = State(model), [Entry(ids[0], None, None)]
     for a in range(0, len(ids), piece):
         rows = model(torch.tensor([ids[a : a + piece]]), state)[0].float().log_softmax(-1)  # [t, V]：第 j 行预测第 a + j + 1 个
         out += [entry(row, ids[a + j + 1], top) for j, row in enumerate(rows) if a + j + 1 < len(ids)]
@@ -83,15 +83,15 @@ def entry(row: torch.Tensor, token: int, top: int) -> Entry:  # 一行 log_softm
     return Entry(token, float(row[token]), [] if best is None else list(zip(best.indices.tolist(), best.values.tolist())))
 
 
-def token_bytes(tk) -> list:
-    """分词器（tokenizers.Tokenizer）的每个 token → 它的字节（OpenAI 的 bytes）。字节级 BPE（GPT-2、Qwen）把每个字节写成一个
+def token_bytes(tk, vocab_size: int) -> list:
+    """模型词表里的每个 id → 它的字节（OpenAI 的 bytes；分词器里没有的 id 是 b""）。字节级 BPE（GPT-2、Qwen）把每个字节写成一个
     可见的字（bytes_to_unicode：可打印的字节是它自己，其余挪到 256 之后），这里反过来查；加进来的记号（<|im_end|> 等）是它的文字。"""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     moved = [b for b in range(256) if b not in printable]
     byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(moved)}
     added = set(tk.get_added_tokens_decoder())
     out = []
-    for i in range(tk.get_vocab_size(with_added_tokens=True)):
+    for i in range(vocab_size):
         text = tk.id_to_token(i) or ""
         plain = i in added or any(c not in byte_of for c in text)
         out.append(text.encode() if plain else bytes(byte_of[c] for c in text))

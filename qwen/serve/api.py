@@ -27,6 +27,7 @@ from ..chat import Chat
 from ..literal import Literal
 from ..conversation import generation_defaults
 from ..grammar import Grammars
+from ..logprobs import token_bytes
 from .access import Access, Guard
 from .body import parse_json
 from ..vision import VisionTower
@@ -62,12 +63,15 @@ class Server:
         self.tower = None  # 视觉塔（第 15 章）：第一个带图的请求来时才读
         self.tower_lock = threading.Lock()
         self.table = None  # 结构化输出的分词器表（qwen/grammar.py 的 Grammars）：第一个带 response_format 的请求来时才建
+        self.pieces = None  # 每个 token 的字节（qwen/logprobs.py 的 token_bytes）：第一个要对数概率的请求来时才建
+        self.vocab_size = None
 
     def ready(self, engine):
         self.chat = Chat(engine.model)
         self.literal = Literal(self.chat)
         self.defaults = generation_defaults(self.chat.path)
         self.max_prompt = self.max_prompt or engine.model.cfg.max_position_embeddings
+        self.vocab_size = engine.model.cfg.vocab_size
         self.engine = engine
         if self.closing:  # 加载时就收到了 SIGTERM
             engine.close()
@@ -86,6 +90,13 @@ class Server:
             if self.table is None:
                 self.table = Grammars(self.chat, self.engine.model.cfg.vocab_size)
         return self.table
+
+    def token_bytes(self) -> list:
+        """每个 token 的字节（logprobs 的 token 与 bytes 从它来；建一次）。"""
+        with self.tower_lock:
+            if self.pieces is None:
+                self.pieces = token_bytes(self.chat.tk, self.vocab_size)
+        return self.pieces
 
     def close(self):
         """关闭（SIGTERM）：不再接请求，没生成完的在下一个 token 之前停下。"""

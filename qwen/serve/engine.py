@@ -18,10 +18,12 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from ..conversation import Resume
+from ..logprobs import prompt_logprobs
 from ..mtp import SpecResult
 from ..sample import Sampling
 from .batcher import share_rows, use_threads
@@ -44,10 +46,13 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     keep: int | None = None
     images: object = None  # 提示词里的图（第 15 章的 Images，占位已展开）；没有图时 None
+    echo: int | None = None  # 也要提示词各位置的对数概率（completions 的 echo）：每个另带前几个；None 不要
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # 从留下的状态接着读、没有重读的提示词 token 数
     tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # sampling.logprobs 给了时：tokens 里每个的 Entry（放进 out 之前记下）
+    prompt_logprobs: list | None = None  # echo 时：提示词每个位置的 Entry（qwen/logprobs.py 的 prompt_logprobs）
     finish_reason: str | None = None
     error: Exception | None = None
     wake: object = field(default=None, repr=False)  # 引擎设的：cancel() 时叫醒排队的请求
@@ -151,6 +156,9 @@ class Engine:
         别的请求每一步都得等它那一大段；在对齐之外，它与别的请求的解码同时跑（分着 CPU），谁也不等谁。keep 之后也可能有
         一长段（比如很长的工具结果），也不该让别人等。短的提示词在对齐里读：几个同时来的请求读提示词也共用一次读权重，
         第一个 token 来得早；续写（没有 keep）的短提示词没有要留的状态，生成时一次读完。"""
+        if request.echo is not None:  # 提示词的对数概率：另读一遍、每个位置的 logits 都要（在对齐之外）
+            score = partial(prompt_logprobs, self.model, request.ids, request.echo)
+            request.prompt_logprobs = score() if self.batcher is None else in_own_team(score, self.threads)
         if self.batcher is None:  # 没有分块布局：各请求各算各的
             return self.decode(request, self.prefill(request))
         if reads_apart(len(request.ids)):
@@ -201,10 +209,13 @@ class Engine:
         tokens = resume.generate(self.model, self.mtp, ids[begin:], request.max_tokens, request.stop, request.sampling,
                                  result=SpecResult(), draft_cost=self.draft_cost if greedy else None,
                                  images=images and images.part(ids, begin, len(ids)))
+        record = request.sampling.logprobs
         for t in tokens:
             if request.cancelled.is_set():
                 request.finish_reason = "cancelled"
                 return
+            if record is not None:  # 选出 t 的那一行上的对数概率（qwen/logprobs.py）
+                request.logprobs.append(record.records[0].at(len(request.tokens), t))
             request.tokens.append(t)
             request.out.put(t)
         stopped = request.tokens and request.tokens[-1] in request.stop

@@ -2,9 +2,11 @@
 字段、要什么、收到了什么；查过的请求进引擎之后不再查。采样的设置合成一个 Sampling（第 12 章）：每一项收不收由第 12 章
 的 RULES（Sampling.check）定，服务另在其上收窄到 OpenAI 的范围（API_RANGES）。"""
 
+import re
 from dataclasses import dataclass
 
 from ..conversation import cut_point
+from ..logprobs import MAX_TOP, Logprobs
 from ..sample import RULES, Sampling
 from ..vision import TooManyImageTokens
 from .body import flag, number, within
@@ -20,7 +22,7 @@ CHAT_FIELDS = COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls
                         "response_format"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 # 这些只能不给或是“关”的值：我们做不到，就不收
-UNSUPPORTED = (("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("echo", False), ("suffix", ""), ("best_of", 1))
+UNSUPPORTED = (("suffix", ""), ("best_of", 1))
 MAX_STOP = 500  # 一个停止字符串至多这么多个字
 MAX_N = 8  # 一次请求至多要这么多个回答（n）：每个是引擎里一个自己的请求，占一个生成的位置
 GREEDY_BELOW = 1e-5  # 比这还低的 temperature 按贪心算（与 vLLM 相同：再低 logits / temperature 就溢出了）
@@ -33,12 +35,16 @@ API_RANGES = {"temperature": (0, 2), "top_p": (1e-6, 1), "top_k": (-1, None), "p
 
 @dataclass
 class Job:
-    """一个查过的请求：n 个回答各一个引擎的 Request 与把 token 读回文字的 Reader，流不流式、要不要 usage 块、是不是对话。"""
+    """一个查过的请求：n 个回答各一个引擎的 Request 与把 token 读回文字的 Reader，流不流式、要不要 usage 块、是不是对话；
+    echo：completions 的回答前面带上提示词。"""
     requests: list
     readers: list
     stream: bool
     include_usage: bool
     chat: bool
+    echo: bool = False
+    prompt: str = ""  # echo 时回答前面带上的提示词
+    pieces: list | None = None  # 要对数概率时：每个 token 的字节（Server.token_bytes）
 
 
 def check_common(body, fields, name: str):
@@ -119,10 +125,11 @@ def sampling(body, defaults: dict) -> Sampling:
     return Sampling(**(defaults | {k: v for k, v in given.items() if v is not None}))
 
 
-def request(ids, body, server, keep=None, images=None, grammar=None) -> Request:
+def request(ids, body, server, keep=None, images=None, grammar=None, top=None) -> Request:
     """提示词的 token 与请求体 → 引擎的 Request。server：api.py 的 Server（defaults、max_tokens、max_prompt、chat）；
-    grammar：response_format 的文法（只许合乎它的 token）。"""
-    s = Sampling.of(sampling(body, server.defaults), grammar=grammar)
+    grammar：response_format 的文法（只许合乎它的 token）；top：要对数概率时每个 token 另带几个（None：不要）。"""
+    s = Sampling.of(sampling(body, server.defaults), grammar=grammar, logit_bias=logit_bias(body, server.vocab_size),
+                    logprobs=None if top is None else Logprobs(top))
     longest = number(body, "max_completion_tokens", 1, server.max_tokens, integer=True)
     limit = number(body, "max_tokens", 1, server.max_tokens, integer=True)
     limit = longest or limit or min(512, server.max_tokens)
@@ -152,9 +159,10 @@ def chat_job(body, server) -> Job:
         raise ApiError(400, str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
-    requests = copies(request(ids, body, server, keep, images, grammar), body)
+    requests = copies(request(ids, body, server, keep, images, grammar, chat_logprobs(body)), body)
     readers = [Reader(chat.tk, think, stops(body), tools is not None) for _ in requests]
-    return Job(requests, readers, *stream_flags(body), chat=True)
+    pieces = server.token_bytes() if requests[0].sampling.logprobs is not None else None
+    return Job(requests, readers, *stream_flags(body), chat=True, pieces=pieces)
 
 
 def copies(first: Request, body) -> list:
@@ -162,7 +170,9 @@ def copies(first: Request, body) -> list:
     out, s = [first], first.sampling
     for i in range(1, number(body, "n", 1, MAX_N, integer=True) or 1):
         seed = None if s.seed is None else (s.seed + i + 2**63) % 2**64 - 2**63  # 留在 64 位有符号整数里
-        out.append(Request(first.ids, first.max_tokens, first.stop, Sampling.of(s, seed=seed), first.keep, first.images))
+        record = None if s.logprobs is None else Logprobs(s.logprobs.top)  # 每个回答记自己的
+        out.append(Request(first.ids, first.max_tokens, first.stop, Sampling.of(s, seed=seed, logprobs=record), first.keep,
+                           first.images, first.echo))
     return out
 
 
@@ -198,6 +208,33 @@ def completion_job(body, server) -> Job:
         ids = server.chat.encode(prompt)[0].tolist()
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from None
-    requests = copies(request(ids, body, server), body)
+    top, echo = number(body, "logprobs", 0, MAX_TOP, integer=True), flag(body, "echo")
+    first = request(ids, body, server, top=top)
+    first.echo = top if echo else None  # 也要提示词各位置的对数概率
+    requests = copies(first, body)
     return Job(requests, [Reader(server.chat.tk, False, stops(body), False) for _ in requests], *stream_flags(body),
-               chat=False)
+               chat=False, echo=echo, prompt=prompt, pieces=None if top is None else server.token_bytes())
+
+
+def chat_logprobs(body) -> int | None:
+    """chat 的 logprobs（true/false）与 top_logprobs（0…MAX_TOP，只能与 logprobs: true 一起给，与 OpenAI 相同）
+    → 每个 token 另带几个（None：不要对数概率）。"""
+    on, top = flag(body, "logprobs"), number(body, "top_logprobs", 0, MAX_TOP, integer=True)
+    if top is not None and not on:
+        raise ApiError(400, 'top_logprobs 只能与 "logprobs": true 一起用', "top_logprobs")
+    return (top or 0) if on else None
+
+
+def logit_bias(body, vocab_size: int) -> dict | None:
+    """logit_bias：{"token id（字符串）": [-100, 100] 内的数}（OpenAI 的写法）→ {id: 数}；键不是词表里的 id、值不对时 400。"""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ApiError(400, f'logit_bias 应为对象 {{"token id": -100…100 的数}}，收到 {show(bias)}', "logit_bias")
+    for key, value in bias.items():
+        if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias 的键 {show(key)} 不是 token id（0…{vocab_size - 1} 的整数，写成字符串）", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{show(key)}] 应为 [-100, 100] 内的数，收到 {show(value)}", "logit_bias")
+    return {int(key): value for key, value in bias.items()} or None

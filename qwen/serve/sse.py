@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .engine import Request
 from .errors import engine_error
@@ -28,6 +28,9 @@ class Choice:
     request: Request
     reader: object
     tokens: asyncio.Queue
+    entries: list = field(default_factory=list)  # 要对数概率时：写进回答的 token 的 Entry（停止符与停止字符串之后的不算）
+    offset: int = 0  # completions 的 text_offset：流式时已经发出的文字有多长
+    unsent: list = field(default_factory=list)  # 流式时还没发出的 Entry
 
 
 DONE = object()  # 合在一起的流里：这个回答写完了
@@ -40,6 +43,7 @@ class Reply:
         self.name = name
         self.job = job
         self.chat = job.chat
+        self.logprobs = job.requests[0].sampling.logprobs is not None
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         loop = asyncio.get_running_loop()
@@ -52,21 +56,28 @@ class Reply:
             c.request.cancel()
 
     async def pieces(self, c: Choice):
-        """一个回答逐块产出 (reasoning, content)；停止字符串命中时让引擎停下它。"""
-        request, reader = c.request, c.reader
+        """一个回答逐块产出 (reasoning, content, 这一块的 token 的 Entry)；停止字符串命中时让引擎停下它。
+        文字可能比 token 晚到（Reader 留着可能是标记开头的尾巴）：Entry 跟着下一块文字走。"""
+        request, reader, count, fresh = c.request, c.reader, 0, []
         while True:
             t = await c.tokens.get()
             if t is None:
                 if request.error is not None and not reader.stopped:  # 停止字符串之后的错误（比如关闭）无关紧要
                     raise engine_error(request.error)
-                yield reader.feed(final=True)
+                yield *reader.feed(final=True), fresh
                 return
+            count += 1
             if t in request.stop or reader.stopped:
                 continue
+            if self.logprobs:  # 引擎放进 t 之前已经记下它的 Entry
+                fresh.append(request.logprobs[count - 1])
+                c.entries.append(fresh[-1])
             out = reader.feed(t)
             if reader.stopped:
                 request.cancel()
-            yield out
+            if out[0] or out[1]:
+                yield *out, fresh
+                fresh = []
 
     def finish(self, c: Choice):
         calls = c.reader.tool_calls() if self.chat else []
@@ -93,23 +104,41 @@ class Reply:
         """非流式回答里的一个 choice。"""
         calls, reason = self.finish(c)
         if not self.chat:
-            return {"index": c.index, "text": c.reader.content, "finish_reason": reason, "logprobs": None}
+            entries = (c.request.prompt_logprobs or []) + c.entries
+            return {"index": c.index, "text": self.job.echo * self.job.prompt + c.reader.content, "finish_reason": reason,
+                    "logprobs": self.scores(c, entries)}
         message = {"role": "assistant", "content": c.reader.content or (None if calls else "")}
         if c.reader.reasoning:
             message["reasoning_content"] = c.reader.reasoning
         if calls:
             message["tool_calls"] = calls
-        return {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None}
+        return {"index": c.index, "message": message, "finish_reason": reason, "logprobs": self.scores(c, c.entries)}
+
+    def scores(self, c: Choice, entries: list) -> dict | None:
+        """OpenAI 的 logprobs：chat 是 {"content": [{token, logprob, bytes, top_logprobs}]}；completions 是 tokens、
+        token_logprobs、top_logprobs（{token: logprob}）与 text_offset（每个 token 在这个回答的文字里从第几个字起）。"""
+        if not self.logprobs:
+            return None
+        text = [token_text(self.job.pieces[e.token]) for e in entries]
+        if self.chat:
+            def one(t, logprob):
+                return {"token": token_text(self.job.pieces[t]), "logprob": logprob, "bytes": list(self.job.pieces[t])}
+            return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(*best) for best in e.top]} for e in entries]}
+        offsets = [c.offset + sum(len(x) for x in text[:i]) for i in range(len(text))]
+        c.offset += sum(len(x) for x in text)
+        top = [None if e.top is None else {token_text(self.job.pieces[t]): lp for t, lp in e.top} for e in entries]
+        return {"tokens": text, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top, "text_offset": offsets}
 
     def chunk(self, choices, **more) -> str:
         data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.name, "choices": choices}
         return f"data: {json.dumps(data | more, ensure_ascii=False)}\n\n"
 
-    def delta(self, c: Choice, **fields) -> list:
+    def delta(self, c: Choice, entries=(), **fields) -> list:
+        scores = self.scores(c, list(entries)) if entries else None
         if self.chat:
-            return [{"index": c.index, "delta": fields, "finish_reason": None, "logprobs": None}]
-        return [{"index": c.index, "text": fields.get("content", ""), "finish_reason": None, "logprobs": None}]
+            return [{"index": c.index, "delta": fields, "finish_reason": None, "logprobs": scores}]
+        return [{"index": c.index, "text": fields.get("content", ""), "finish_reason": None, "logprobs": scores}]
 
     async def events(self):
         """流式：一块块的 SSE，n 个回答的块按到来的先后交错（每块带自己的 index）。客户端断开时 Starlette 取消这个生成器，
@@ -117,19 +146,21 @@ class Reply:
         merged = asyncio.Queue()
         tasks = [asyncio.ensure_future(self.forward(c, merged)) for c in self.choices]
         try:
-            if self.chat:
-                for c in self.choices:
+            for c in self.choices:
+                if self.chat:
                     yield self.chunk(self.delta(c, role="assistant", content=""))
+            echoed = set()
             for _ in self.choices:
-                while (item := await merged.get())[1] is not DONE:
-                    c, piece = item
-                    if isinstance(piece, Exception):
-                        raise piece
-                    if piece[0]:
-                        yield self.chunk(self.delta(c, reasoning_content=piece[0]))
-                    if piece[1]:
-                        yield self.chunk(self.delta(c, content=piece[1]))
-                for chunk in self.last_chunks(item[0]):
+                while True:
+                    c, piece = await merged.get()
+                    if self.job.echo and c.index not in echoed:  # completions 的 echo：这个回答先发提示词（与它的对数概率）
+                        echoed.add(c.index)
+                        yield self.chunk(self.delta(c, c.request.prompt_logprobs or (), content=self.job.prompt))
+                    if piece is DONE:
+                        break
+                    for chunk in self.piece_chunks(c, piece):
+                        yield chunk
+                for chunk in self.last_chunks(c):
                     yield chunk
             if self.job.include_usage:
                 yield self.chunk([], usage=usage(self.job.requests))
@@ -140,6 +171,16 @@ class Reply:
             for task in tasks:
                 task.cancel()
             self.cancel()  # 客户端断开（或出错）：引擎在下一个 token 之前停下，释放这些请求的状态
+
+    def piece_chunks(self, c: Choice, piece):
+        """pieces 的一块 (reasoning, content, Entry) → SSE 块。Entry 跟着这一块的第一段文字发；没有文字时留给最后一块。"""
+        if isinstance(piece, Exception):
+            raise piece
+        c.unsent += piece[2]
+        for key, text in (("reasoning_content", piece[0]), ("content", piece[1])):
+            if text:
+                yield self.chunk(self.delta(c, c.unsent, **{key: text}))
+                c.unsent = []
 
     async def forward(self, c: Choice, merged: asyncio.Queue):
         """把一个回答的块放进合在一起的队列：(c, (reasoning, content))，出错时 (c, 错误)，写完时 (c, DONE)。"""
@@ -155,7 +196,7 @@ class Reply:
         calls, reason = self.finish(c)
         if calls:
             yield self.chunk(self.delta(c, tool_calls=[{"index": i, **call} for i, call in enumerate(calls)]))
-        last = {"index": c.index, "finish_reason": reason, "logprobs": None}
+        last = {"index": c.index, "finish_reason": reason, "logprobs": self.scores(c, c.unsent) if c.unsent else None}
         yield self.chunk([last | ({"delta": {}} if self.chat else {"text": ""})])
 
 
@@ -164,6 +205,11 @@ async def disconnected(http, reply: Reply):
     while (await http.receive())["type"] != "http.disconnect":
         pass
     reply.cancel()
+
+
+def token_text(piece: bytes) -> str:
+    """一个 token 的字节 → logprobs 里的 token 文字：半个 UTF-8 字符的字节写成 \\xe4 这样（与 OpenAI 相同）。"""
+    return piece.decode("utf-8", errors="backslashreplace")
 
 
 class Forward:
