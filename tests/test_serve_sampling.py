@@ -1,0 +1,130 @@
+"""附录 qwen/serve：OpenAI 请求里改变“怎么选 token”的字段——response_format（结构化输出）、n、logprobs / top_logprobs、
+completions 的 logprobs 与 echo、logit_bias。服务给的与库里（generate、Logprobs、Grammar）同样的提示词算出的相同。"""
+
+import json
+
+import pytest
+import torch
+
+from qwen import generate
+from qwen.literal import Literal
+from qwen.logprobs import Logprobs
+
+from serving import NAME, openai, post, served, sse  # noqa: F401
+
+
+def test_structured_output_round_trip_with_the_openai_client(served):
+    """openai 客户端自己的 parse(response_format=Pydantic 模型)：服务按它的 JSON Schema 只写合乎它的 token，客户端解析出
+    对象；回答与库里用同一个文法贪心生成的逐字相同。json_object 写出一个 JSON 对象。"""
+    pytest.importorskip("llguidance")
+    from pydantic import BaseModel, Field
+
+    from qwen.grammar import Grammars
+    from qwen.literal import Literal
+
+    class City(BaseModel):
+        name: str = Field(max_length=6)
+        people: int = Field(ge=0, le=9999)
+
+    client, engine, server, _ = served
+    messages = [{"role": "user", "content": "给我一个城市"}]
+    done = client.beta.chat.completions.parse(model=NAME, messages=messages, response_format=City, max_tokens=80, temperature=0)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and done.choices[0].finish_reason == "stop"
+    grammar = Grammars(server.chat, engine.model.cfg.vocab_size).json_schema(
+        openai.lib._pydantic.to_strict_json_schema(City))  # 客户端发出去的就是 City 的严格形式
+    want = generate(engine.model, Literal(server.chat).tokens(messages), 80, stop=server.chat.stop, grammar=grammar)
+    assert done.choices[0].message.content == server.chat.decode([t for t in want if t not in server.chat.stop])
+    loose = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0,
+                                           response_format={"type": "json_object"})
+    text = loose.choices[0].message.content
+    assert text.startswith("{") and (loose.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    long = {"type": "json_schema", "json_schema": {"name": "long", "schema": {  # 8 个 token 写不完：截断，给出写了的部分
+        "type": "object", "properties": {"essay": {"type": "string", "minLength": 500}}, "required": ["essay"]}}}
+    cut = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, response_format=long)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith('{"essay":')
+
+
+def test_n_samples_are_distinct_reproducible_and_each_its_own_run(served):
+    """n = 4、给了 seed：四个回答各不相同，再问一次一模一样；第 i 个与用 seed + i 单独请求的相同。流式时每块带自己的
+    index，按 index 拼起来与非流式的相同；usage 的提示词只算一次。"""
+    client, _, _, _ = served
+    messages = [{"role": "user", "content": "写一首诗"}]
+    kw = dict(model=NAME, messages=messages, max_tokens=12, temperature=1.0, seed=7, n=4)
+    first, again = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
+    assert texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
+    alone = [client.chat.completions.create(**(kw | {"n": 1, "seed": 7 + i})) for i in range(4)]
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert first.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert first.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    parts, reasons = ["", "", "", ""], {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert parts == texts and set(reasons) == {0, 1, 2, 3} and None not in reasons.values()
+
+
+MESSAGES = [{"role": "user", "content": "介绍一下长江。"}]
+
+
+def library(server, engine, ids, n, **sampling):
+    """库里同样的提示词（token）：generate 的 token 与每个的 Entry（前 3 个），停止符不算（它不在回答的文字里）。"""
+    lp = Logprobs(top=3)
+    tokens = generate(engine.model, torch.tensor([ids]), n, stop=server.chat.stop, logprobs=lp, **sampling)
+    return [(t, e) for t, e in zip(tokens, lp.read(tokens)) if t not in server.chat.stop]
+
+
+def test_chat_logprobs_equal_the_library_stream_and_not(served):
+    """chat 的 logprobs：每个 token 的对数概率与前 3 个与库里（Logprobs）同样的提示词算出的逐位相同；bytes 接起来是回答；
+    流式各块的接起来与非流式的相同。n = 2 加种子：每个回答记自己的，与用 seed、seed + 1 单独生成的相同。"""
+    client, engine, server, _ = served
+    ids = Literal(server.chat).tokens(MESSAGES)[0].tolist()
+    kw = dict(model=NAME, messages=MESSAGES, max_tokens=10, logprobs=True, top_logprobs=3)
+    full = client.chat.completions.create(temperature=0, **kw)
+    got, want = full.choices[0].logprobs.content, library(server, engine, ids, 10)
+    assert [(g.logprob, [t.logprob for t in g.top_logprobs]) for g in got] == [(e.logprob, [lp for _, lp in e.top]) for _, e in want]
+    assert bytes(b for g in got for b in g.bytes).decode("utf-8", "replace") == full.choices[0].message.content
+    chunks = client.chat.completions.create(temperature=0, stream=True, **kw)
+    assert [(c.token, c.logprob) for chunk in chunks for choice in chunk.choices if choice.logprobs
+            for c in choice.logprobs.content] == [(g.token, g.logprob) for g in got]
+    two = client.chat.completions.create(temperature=1.0, seed=3, n=2, **kw)
+    for choice in two.choices:
+        alone = library(server, engine, ids, 10, temperature=1.0, seed=3 + choice.index)
+        assert [g.logprob for g in choice.logprobs.content] == [e.logprob for _, e in alone]
+
+
+def test_completion_logprobs_and_echo_equal_the_library(served):
+    """completions 的 logprobs N 与 echo：提示词的第 0 个没有对数概率，其余与 prompt_logprobs 相同，生成的与 Logprobs 相同；
+    text 以提示词开头，text_offset 是 tokens 的文字一个个接起来的位置；流式的接起来与非流式的相同。"""
+    from qwen.logprobs import prompt_logprobs
+
+    client, engine, server, _ = served
+    text = "def add(a, b):"
+    ids = server.chat.encode(text)[0].tolist()
+    kw = dict(model=NAME, prompt=text, max_tokens=8, temperature=0, logprobs=2, echo=True)
+    full = client.completions.create(**kw)
+    lp, choice = full.choices[0].logprobs, full.choices[0]
+    made = library(server, engine, ids, 8)
+    assert lp.token_logprobs == [None] + [e.logprob for e in prompt_logprobs(engine.model, ids, 2)[1:]] + [e.logprob for _, e in made]
+    assert lp.top_logprobs[0] is None and all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert choice.text.startswith(text) and len(lp.tokens) == len(ids) + len(made)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    plain = client.completions.create(model=NAME, prompt=text, max_tokens=8, temperature=0, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+
+
+def test_logit_bias_equals_the_library(served):
+    """logit_bias：−100 给贪心的第一个 token，回答换了，且与库里同样偏置的 generate 相同。"""
+    client, engine, server, _ = served
+    ids = Literal(server.chat).tokens(MESSAGES)[0].tolist()
+    first = library(server, engine, ids, 1)[0][0]
+    biased = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0,
+                                            logit_bias={str(first): -100, "7": 2.5})
+    want = [t for t, _ in library(server, engine, ids, 8, logit_bias={first: -100, 7: 2.5})]
+    assert biased.choices[0].message.content == server.chat.decode(want) and want[0] != first
