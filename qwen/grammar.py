@@ -41,10 +41,49 @@ class Grammars:
             text = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise ValueError(f"schema 编译不了：{e}") from None
-        error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+        return self.compiled(text, "schema ")
+
+
+    def tool_calls(self, tools: list, only: str | None = None) -> "Grammar":
+        """tools（OpenAI 的 [{"type": "function", "function": {name, parameters}}]）→ 回答只能是一个或几个工具调用，写法是
+        Qwen3.5 的 XML（第 13 章的 tool_call_text）；only：只能调这一个函数、调一次（tool_choice 指定了它）。参数按各自的
+        JSON Schema：字符串照模板的写法原样写一行（不含 < 与换行），枚举是其中之一，别的是合乎它的 JSON；必需的一定有，
+        按 schema 里的顺序。用 llguidance 的 Lark 文法写（%json 嵌进 JSON Schema）。"""
+        fns = [t["function"] for t in tools if only in (None, t["function"]["name"])]
+        rules = [f"start: call{'' if only else '+'}",
+                 f'call: "<tool_call>\\n<function=" ({" | ".join(f"f{i}" for i in range(len(fns)))}) "</function>\\n</tool_call>"']
+        for i, fn in enumerate(fns):
+            params = fn.get("parameters") or {}
+            needed, parts = set(params.get("required") or ()), []
+            for j, (name, schema) in enumerate((params.get("properties") or {}).items()):
+                opening, closing = literal(f"<parameter={name}>\n"), literal("\n</parameter>\n")
+                rules.append(f"f{i}p{j}: {opening} {value_rule(schema)} {closing}")
+                parts.append(f"f{i}p{j}" + ("" if name in needed else "?"))
+            rules.append(f"f{i}: {literal(fn['name'] + '>' + NL)} {' '.join(parts)}")
+        return self.compiled(llguidance().LLMatcher.grammar_from_lark("\n".join(rules)), "tools 的参数")
+
+    def compiled(self, text: str, what: str) -> "Grammar":
+        error = llguidance().LLMatcher.validate_grammar(text, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise ValueError(f"schema 编译不了：{error}")
+            raise ValueError(f"{what}编译不了：{error}")
         return Grammar(self, text)
+
+
+NL = "\n"
+
+
+def literal(text: str) -> str:  # Lark 里的一个字符串
+    return json.dumps(text)
+
+
+def value_rule(schema) -> str:
+    """一个参数的值：字符串原样一行，字符串的枚举是其中之一，别的按它的 JSON Schema 写 JSON。"""
+    schema = schema if isinstance(schema, dict) else {}
+    if schema.get("enum") and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(literal(v) for v in schema["enum"]) + ")"
+    if schema.get("type") == "string":
+        return r"/[^<\n]+/"
+    return "%json " + json.dumps(schema)
 
 
 class Grammar:

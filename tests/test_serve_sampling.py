@@ -9,6 +9,7 @@ import torch
 from qwen import generate
 from qwen.literal import Literal
 from qwen.logprobs import Logprobs
+from qwen.serve.reader import Reader
 
 from serving import NAME, openai, post, served, sse  # noqa: F401
 
@@ -128,3 +129,37 @@ def test_logit_bias_equals_the_library(served):
                                             logit_bias={str(first): -100, "7": 2.5})
     want = [t for t, _ in library(server, engine, ids, 8, logit_bias={first: -100, 7: 2.5})]
     assert biased.choices[0].message.content == server.chat.decode(want) and want[0] != first
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "required": ["unit", "days"],
+          "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}},
+         {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_required_and_named_always_call(served, choice):
+    """tool_choice "required" 与指定函数：抽样（三个种子）也好、贪心也好，回答都是解析得了的工具调用，参数合乎它的
+    schema（指定时是那一个函数）；贪心的与库里用同一个文法（Grammars.tool_calls）生成的相同。"""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    client, engine, server, _ = served
+    messages = [{"role": "user", "content": "明天北京的天气？"}]
+    kw = dict(model=NAME, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=300)  # 小词表：一个调用要上百个 token
+    replies = [client.chat.completions.create(temperature=1.0, seed=s, **kw) for s in range(3)]
+    replies.append(client.chat.completions.create(temperature=0, **kw))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for reply in replies:
+        c = reply.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message.content
+        for call in c.message.tool_calls:
+            assert choice == "required" or call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    grammar = server.grammars().tool_calls(TOOLS, None if choice == "required" else "get_weather")
+    want = generate(engine.model, Literal(server.chat).tokens(messages, tools=TOOLS), 300, stop=server.chat.stop, grammar=grammar)
+    reader = Reader(server.chat.tk, False, [], True)  # 库里的 token 读成工具调用：与服务给的（草稿头起草的）相同
+    for t in want:
+        if t not in server.chat.stop:
+            reader.feed(t)
+    reader.feed(final=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reader.tool_calls()] == \
+        [(c.function.name, c.function.arguments) for c in replies[-1].choices[0].message.tool_calls]

@@ -123,15 +123,18 @@ def check_messages(messages, templated: bool) -> list[dict]:
 
 def check_tools(body, templated: bool) -> list | None:
     """tools：每个是 {"type": "function", "function": {"name", "description", "parameters"}}；空列表等于没给。
-    tool_choice："auto"（模型自己决定）或 "none"（不调工具：工具照样查，但不写进提示词、回答里也不找工具调用，同 vLLM
-    的默认）；"required" 与指定函数还不支持。parallel_tool_calls 只支持 true：别的我们做不到，就不收。"""
+    tool_choice："auto"（模型自己决定）、"none"（不调工具：工具照样查，但不写进提示词、回答里也不找工具调用，同 vLLM
+    的默认）、"required"（一定调，调哪个模型定）或 {"type": "function", "function": {"name": …}}（一定调这一个）；后两种由
+    requests.py 的 tool_grammar 按文法写。parallel_tool_calls 只支持 true：别的我们做不到，就不收。"""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise ApiError(400, f"tool_choice 只支持 \"auto\"（模型自己决定调不调工具）与 \"none\"（不调），收到 {show(choice)}",
-                       "tool_choice")
+    if choice not in (None, "auto", "none", "required") and chosen(choice) is None:
+        raise ApiError(400, 'tool_choice 应为 "auto"、"none"、"required" 或 {"type": "function", "function": {"name": …}}，'
+                            f"收到 {show(choice)}", "tool_choice")
     if body.get("parallel_tool_calls") not in (None, True):
         raise ApiError(400, "parallel_tool_calls 只支持 true：模型一次可以写几个工具调用", "parallel_tool_calls")
     if tools is None or tools == []:
+        if choice == "required" or chosen(choice) is not None:
+            raise ApiError(400, f"tool_choice {show(choice)} 要有 tools", "tool_choice")
         return None
     if not templated:
         raise ApiError(400, f"{NO_TEMPLATE}tools 放不进去", "tools")
@@ -152,7 +155,16 @@ def check_tools(body, templated: bool) -> list | None:
             raise ApiError(400, f"tools[{j}].function 的 description 应为字符串、parameters 应为对象（JSON Schema）", "tools")
         if fn.get("strict"):
             raise ApiError(400, f"tools[{j}]：不支持 strict（输出不受 JSON Schema 约束）", "tools")
+    if chosen(choice) not in (None, *names):
+        raise ApiError(400, f"tool_choice 指定的函数 {show(chosen(choice))} 不在 tools 里", "tool_choice")
     return None if choice == "none" else tools
+
+
+def chosen(choice) -> str | None:
+    """tool_choice 指定的函数名（{"type": "function", "function": {"name": …}}）；别的写法 None。"""
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" and len(choice) == 2 else None
+    name = fn.get("name") if isinstance(fn, dict) and set(fn) == {"name"} else None
+    return name if isinstance(name, str) else None
 
 
 def thinking(body, templated: bool) -> bool:

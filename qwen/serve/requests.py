@@ -12,7 +12,7 @@ from ..vision import TooManyImageTokens
 from .body import flag, number, within
 from .engine import Request
 from .errors import ApiError, show
-from .messages import check_messages, check_tools, thinking
+from .messages import check_messages, check_tools, chosen, thinking
 from .reader import Reader
 
 SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -145,7 +145,7 @@ def chat_job(body, server) -> Job:
     chat = server.chat
     messages, tools = check_messages(body.get("messages"), chat.templated), check_tools(body, chat.templated)
     think = thinking(body, chat.templated)
-    grammar = response_grammar(body.get("response_format"), server, think)
+    grammar = tool_grammar(body, tools, server, think) or response_grammar(body.get("response_format"), server, think)
     try:
         parts = []  # 消息里的图（第 13 章的 build_prompt 收下）
         ids = server.literal.tokens(messages, think, tools, images=parts)  # 消息里写的控制记号只是文字
@@ -194,6 +194,23 @@ def response_grammar(fmt, server, think: bool):
         raise ApiError(501, str(e), "response_format") from None
     except ValueError as e:
         raise ApiError(400, f"response_format 的 {e}", "response_format") from None
+
+
+def tool_grammar(body, tools, server, think: bool):
+    """tool_choice 是 "required" 或指定了函数时 → 只许工具调用的文法（Grammars.tool_calls），否则 None。"""
+    choice = body.get("tool_choice")
+    if tools is None or choice in (None, "auto"):  # check_tools 查过 choice；"none" 时 tools 是 None
+        return None
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "tool_choice 与 response_format 不能一起用：回答要么是工具调用，要么是那个 JSON", "tool_choice")
+    if think:
+        raise ApiError(400, f"tool_choice {show(choice)} 不能与 enable_thinking 一起用：思考的那一段不是工具调用", "tool_choice")
+    try:
+        return server.grammars().tool_calls(tools, chosen(choice))
+    except ImportError as e:
+        raise ApiError(501, str(e), "tool_choice") from None
+    except ValueError as e:
+        raise ApiError(400, str(e), "tools") from None
 
 
 def completion_job(body, server) -> Job:
