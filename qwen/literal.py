@@ -8,13 +8,15 @@
 2. 渲染之后在加进词表的记号处切开：分词器本来就先这样切开、各段分别切，所以模板写的记号照旧是一个 token；
 3. 各段把占位还原成原文，照分词器的步骤（规范化、预切分、BPE）切成 token：控制记号的文字切成几个普通的 token。
 客户的文字里没有控制记号时第 1 步什么也不换，结果就是 chat.encode(chat.prompt(…))。
+检查点的对话模板与发布的不同时（template.py），渲染用它自己的模板，其余照旧。
 """
 
 import re
 
 import torch
 
-from .chat import build_prompt
+from .chat import build_prompt, text_of
+from .template import Template, checkpoint_template, is_released, specials
 
 ESC = "\ufdd0"  # Unicode 的“非字符”：正常的文字里没有它；有也不要紧（写成两个）
 
@@ -24,16 +26,26 @@ class Literal:
 
     def __init__(self, chat):
         self.chat, self.tk = chat, chat.tk
+        text, where = checkpoint_template(chat.path) if chat.templated else (None, "")
+        # 检查点自己的模板（与发布的不同时）；None：第 13 章的 build_prompt（发布的模板，或没有模板）
+        self.template = None if text is None or is_released(text) else Template(text, where, specials(chat.path))
         added = sorted(self.tk.get_added_tokens_decoder().values(), key=lambda t: -len(t.content))  # 长的先配
         self.specials = [t.content for t in added if t.special]
         self.marker = re.compile("|".join(map(re.escape, [ESC, *self.specials])))
         self.added = re.compile("(" + "|".join(map(re.escape, [t.content for t in added])) + ")")
 
-    def tokens(self, messages, enable_thinking=False, tools=None, images=None, add_generation_prompt=True):
-        """对话消息 → [1, T] 的 id（同 chat.encode(chat.prompt(…))，只是客户的文字里的控制记号是文字）。"""
+    def tokens(self, messages, enable_thinking=False, tools=None, images=None, add_generation_prompt=True, kwargs=None):
+        """对话消息 → [1, T] 的 id（同 chat.encode(chat.prompt(…))，只是客户的文字里的控制记号是文字）。kwargs：交给检查点
+        自己的模板的参数（chat_template_kwargs）；enable_thinking 为 None 时不交（用模板自己的默认，发布的模板是不思考）。"""
         chat, messages, tools = self.chat, self.escape(messages), self.escape(tools)
-        if chat.templated:
-            text = build_prompt(messages, enable_thinking, tools, add_generation_prompt, images=images)
+        if self.template is not None:
+            thinking = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+            text = self.template.render(messages, tools, add_generation_prompt, **(thinking | (kwargs or {})))
+            for i, m in enumerate(messages):  # 图按出现的顺序记进 images（模板照样写出图的占位；系统消息的图同样不收）
+                if isinstance(m.get("content"), list):
+                    text_of(m["content"], i, images if m.get("role") != "system" else None)
+        elif chat.templated:
+            text = build_prompt(messages, bool(enable_thinking), tools, add_generation_prompt, images=images)
         else:
             text = chat.prompt(messages, images=images)
         if ESC not in text:
@@ -41,6 +53,16 @@ class Literal:
         pieces = self.added.split(text)  # 奇数位置是切开处的记号：模板写的（客户写的已换成占位）
         ids = [self.as_text(p) if i % 2 == 0 else [self.tk.token_to_id(p)] for i, p in enumerate(pieces)]
         return torch.tensor([[t for part in ids for t in part]])
+
+    def describe(self) -> str:
+        """加载时说一句用的是哪个模板。"""
+        if self.template is not None:
+            return f"对话模板：检查点自己的（{self.template.where}，与发布的 Qwen3.5 模板不同），用 jinja2 的沙箱渲染"
+        return "对话模板：发布的 Qwen3.5 模板（第 13 章的 build_prompt）" if self.chat.templated else "没有对话模板：消息原样接起来续写"
+
+    def thinks(self, ids) -> bool:
+        """提示词以没合上的 <think> 结尾：回答从推理开始（读回答时放进 reasoning_content）。"""
+        return self.chat.decode(list(ids)[-6:]).rstrip().endswith("<think>")
 
     def escape(self, v):
         """消息、工具里的每段文字：控制记号换成占位。图的分段（有 image 或 image_url）原样留着。"""

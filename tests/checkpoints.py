@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from qwen.chat import TOOLS_PROMPT
+
 TINY = dict(
     vocab_size=512,
     hidden_size=128,
@@ -264,8 +266,72 @@ CORPUS = [
 ]
 
 
+BEFORE, AFTER = TOOLS_PROMPT.split("{tools}")
+# 测试检查点的对话模板：我们照 build_prompt 写的 Qwen3.5 写法（发布的原文只在 ../shared/reference 里、CI 上没有）。它与
+# 发布的文字不同，所以 Literal 用 jinja2 渲染它（检查点自己的模板那条路）；test_chat 比它与 build_prompt 逐字相同。
+QWEN_LIKE = r'''{#- 测试检查点的对话模板：照第 13 章的 build_prompt 写的 Qwen3.5 写法（不是发布的原文）。 -#}
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is not none -%}
+{%- for c in content -%}
+{%- if c.type in ("image", "image_url") or "image" in c or "image_url" in c -%}<|vision_start|><|image_pad|><|vision_end|>
+{%- else -%}{{ c.text }}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last=-1) -%}
+{%- for m in messages -%}
+{%- set t = text(m.content) | trim -%}
+{%- if m.role == "user" and not (t.startswith("<tool_response>") and t.endswith("</tool_response>")) -%}
+{%- set ns.last = loop.index0 -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if ns.last < 0 -%}{{ raise_exception("messages 里没有用户的问题") }}{%- endif -%}
+{%- set system = (text(messages[0].content) | trim) if messages[0].role == "system" else none -%}
+{%- if tools -%}
+{%- set listed -%}{%- for tool in tools -%}{{ "\n" ~ (tool | tojson) }}{%- endfor -%}{%- endset -%}
+{%- set system = BEFORE ~ listed ~ AFTER ~ (("\n\n" ~ system) if system else "") -%}
+{%- endif -%}
+{%- if system is not none -%}{{ "<|im_start|>system\n" ~ system ~ "<|im_end|>\n" }}{%- endif -%}
+{%- for m in messages -%}
+{%- set content = text(m.content) | trim -%}
+{%- if m.role == "user" -%}
+{{ "<|im_start|>user\n" ~ content ~ "<|im_end|>\n" }}
+{%- elif m.role == "assistant" -%}
+{%- set reasoning = "" -%}
+{%- if m.reasoning_content is string -%}
+{%- set reasoning = m.reasoning_content -%}
+{%- elif "</think>" in content -%}
+{%- set reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n") -%}
+{%- set content = content.split("</think>")[-1].lstrip("\n") -%}
+{%- endif -%}
+{%- set think = ("<think>\n" ~ (reasoning | trim) ~ "\n</think>\n\n") if loop.index0 > ns.last else "" -%}
+{%- set calls -%}
+{%- for call in m.tool_calls or [] -%}
+{%- set f = call.function if call.function is defined else call -%}
+{{ ("\n" if not loop.first else "") ~ "<tool_call>\n<function=" ~ f.name ~ ">\n" }}
+{%- for k, v in (f.arguments or {}).items() -%}
+{{ "<parameter=" ~ k ~ ">\n" ~ ((v | tojson) if (v is mapping or (v is iterable and v is not string)) else v) ~ "\n</parameter>\n" }}
+{%- endfor -%}
+{{ "</function>\n</tool_call>" }}
+{%- endfor -%}
+{%- endset -%}
+{{ "<|im_start|>assistant\n" ~ think ~ content ~ ("\n\n" if calls and content | trim else "") ~ calls ~ "<|im_end|>\n" }}
+{%- elif m.role == "tool" -%}
+{%- set opening = "<|im_start|>user" if loop.index0 and messages[loop.index0 - 1].role != "tool" else "" -%}
+{%- set closing = "<|im_end|>\n" if loop.last or messages[loop.index0 + 1].role != "tool" else "" -%}
+{{ opening ~ "\n<tool_response>\n" ~ content ~ "\n</tool_response>" ~ closing }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{ "<|im_start|>assistant\n" ~ ("<think>\n" if enable_thinking else "<think>\n\n</think>\n\n") }}
+{%- endif -%}
+'''.replace("BEFORE", json.dumps(BEFORE)).replace("AFTER", json.dumps(AFTER))
+
+
 def make_tokenizer(path, vocab_size: int = 400, special=SPECIAL):
-    """字节级 BPE 分词器，带 Qwen 的特殊记号；存为 path/tokenizer.json，旁边放一个 ChatML 对话模板
+    """字节级 BPE 分词器，带 Qwen 的特殊记号；存为 path/tokenizer.json，旁边放 QWEN_LIKE 对话模板
     （发布的检查点有 chat_template.jinja，Chat 据此按对话格式组织提示词）。"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -277,10 +343,7 @@ def make_tokenizer(path, vocab_size: int = 400, special=SPECIAL):
     )
     tk.train_from_iterator(CORPUS * 20, trainer)
     tk.save(str(Path(path) / "tokenizer.json"))
-    (Path(path) / "chat_template.jinja").write_text(
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    (Path(path) / "chat_template.jinja").write_text(QWEN_LIKE)
     return tk
 
 
