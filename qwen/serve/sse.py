@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from .engine import Request
 from .errors import engine_error
@@ -124,8 +125,8 @@ class Reply:
             def one(t, logprob):
                 return {"token": token_text(self.job.pieces[t]), "logprob": logprob, "bytes": list(self.job.pieces[t])}
             return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(*best) for best in e.top]} for e in entries]}
-        offsets = [c.offset + sum(len(x) for x in text[:i]) for i in range(len(text))]
-        c.offset += sum(len(x) for x in text)
+        ends = list(accumulate((len(x) for x in text), initial=c.offset))  # 每个 token 的文字从哪里起（一遍累加）
+        offsets, c.offset = ends[:-1], ends[-1]
         top = [None if e.top is None else {token_text(self.job.pieces[t]): lp for t, lp in e.top} for e in entries]
         return {"tokens": text, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top, "text_offset": offsets}
 
