@@ -6,6 +6,7 @@ python -m qwen serve [--model …]：OpenAI 兼容的 HTTP 服务（附录 qwen/
 加载都经过附录的 qwen.fast.load：--layout 选矩阵的布局，--quantize 选权重的格式。"""
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -47,6 +48,17 @@ def bias(text: str) -> tuple:
         return number(int, 0)(token), number(float, -100, 100)(value)
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"要 ID=数（比如 151645=-100：不许这个 token），{text!r} 不对：{e}") from None
+
+
+def json_object(text: str) -> dict:
+    """--chat-template-kwargs 的 type：一个 JSON 对象（比如 '{"preserve_thinking": true}'）。"""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"要 JSON 对象，{text!r} 解析不了：{e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"要 JSON 对象（{{\"名字\": 值}}），收到 {text!r}")
+    return value
 
 
 def setting(name: str):
@@ -100,6 +112,8 @@ def chat_arguments(sub) -> None:
                    help="给 token ID 的 logit 加上 BIAS（[-100, 100]；-100 即不许它；可以重复）")
     p.add_argument("--seed", type=setting("seed"), default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="交给检查点自己的对话模板的参数（比如 '{\"preserve_thinking\": true}'；发布的模板只有 --think）")
     p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
     p.add_argument("--threads", type=number(int, 1), default=None, help="PyTorch 线程数（默认不改）")
     p.set_defaults(run=chat_main)
@@ -111,7 +125,8 @@ def answer(conversation, messages, args) -> str:
                     repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                     frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias) or None)
     pieces = []
-    for piece in conversation.reply(messages, args.think, args.max_new_tokens, **settings):
+    for piece in conversation.reply(messages, args.think, args.max_new_tokens, template_kwargs=args.chat_template_kwargs,
+                                    **settings):
         pieces.append(piece)
         print(piece, end="", flush=True)
     st = conversation.stats
@@ -262,8 +277,10 @@ def chat_main(args) -> None:
     try:
         model = load_model(args.model, layout_of(args), args.quantize, DTYPES.get(args.dtype))
         conversation = Conversation(Chat(model), mtp=not args.no_mtp)
+        conversation.literal.options(args.chat_template_kwargs)  # 模板收不收这些参数：先查
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
+    print(f"（{conversation.literal.describe()}）", file=sys.stderr)
     if not args.no_mtp and conversation.mtp is None:
         print("（检查点没有 MTP 草稿头：用普通解码）", file=sys.stderr)
     if model.layout == "graphs":  # 编译各张图：第一次在这台机器上要一会儿，之后从磁盘缓存读

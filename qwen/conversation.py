@@ -102,14 +102,16 @@ class Resume:
         return (t for emitted in rounds for t in emitted)
 
 
-def cut_point(literal, messages, tools, tokens, images=None) -> int | None:
+def cut_point(literal, messages, tools, tokens, images=None, enable_thinking=False, kwargs=None) -> int | None:
     """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板或没有用户消息时 None（不复用）。
-    images：tokens 里的图（占位已展开）：前缀里的每个占位也按它的图展开。"""
+    images：tokens 里的图（占位已展开）：前缀里的每个占位也按它的图展开。enable_thinking、kwargs：渲染 tokens 时交给模板的。
+    到那里为止单独渲染的一段不是 tokens 的开头（检查点自己的模板按后面的消息改写前面的轮次）时也是 None：不留错的状态。"""
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
     if not literal.chat.templated or not users:
         return None
     last = users[-1]
-    prefix = literal.tokens(messages[: last + 1], tools=tools, images=[], add_generation_prompt=False)[0].tolist()
+    prefix = literal.tokens(messages[: last + 1], enable_thinking, tools, [], add_generation_prompt=False, kwargs=kwargs)
+    prefix = prefix[0].tolist()
     if images is not None:
         prefix = images.expand(torch.tensor([prefix]), prefix=True)[0].tolist()
     return len(prefix) if tokens[: len(prefix)] == prefix else None
@@ -136,15 +138,18 @@ class Conversation:
         """丢掉留下的状态：下一轮从头读。"""
         self.saved = None
 
-    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, **settings):
-        """对一组消息流式产出助手的回答（文字片段）。sampling（Sampling）或 settings（temperature、top_k、top_p、
+    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, template_kwargs=None,
+              **settings):
+        """对一组消息流式产出助手的回答（文字片段）。template_kwargs：交给检查点自己的对话模板的参数（发布的模板不收，见
+        literal.py）；enable_thinking=None 时用模板自己的默认。sampling（Sampling）或 settings（temperature、top_k、top_p、
         repetition_penalty、presence_penalty、frequency_penalty、logit_bias、seed）：没给（或 None）的取检查点的默认值。上一个回答的生成器还没读完
         （也没关掉）时报错：留下的状态与统计属于一个对话，几个并发的对话请各用自己的 Conversation。"""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError("这个 Conversation 的上一个回答还没生成完（生成器没读完也没关掉）：并发的对话请各用自己的 "
                                "Conversation")
         try:
-            yield from self.answer(messages, enable_thinking, max_new_tokens, tools, sampling, settings)
+            options = dict(enable_thinking=enable_thinking, kwargs=self.literal.options(template_kwargs))
+            yield from self.answer(messages, options, max_new_tokens, tools, sampling, settings)
         finally:
             self.busy.release()
 
@@ -152,12 +157,12 @@ class Conversation:
         """采样设置：给了 Sampling 就用它，否则检查点的默认值；settings 里不是 None 的几项覆盖它们。"""
         return Sampling.of(sampling or Sampling(**self.defaults), **{k: v for k, v in settings.items() if v is not None})
 
-    def answer(self, messages, enable_thinking, max_new_tokens, tools, sampling, settings):
+    def answer(self, messages, options, max_new_tokens, tools, sampling, settings):
         s = self.sampling(sampling, settings)
         Sampling.check("max_new_tokens", max_new_tokens)
         chat, model, t0 = self.chat, self.model, time.perf_counter()
-        tokens, images = self.encode(messages, enable_thinking, tools)
-        cut = cut_point(self.literal, messages, tools, tokens, images)
+        tokens, images = self.encode(messages, tools=tools, **options)
+        cut = cut_point(self.literal, messages, tools, tokens, images, **options)
         with torch.inference_mode():  # 只包住这一段：生成器在 yield 之间不替调用方开着 inference_mode
             resume = self.resume(tokens, cut, images)
             start = len(resume.tokens)
@@ -179,10 +184,11 @@ class Conversation:
         self.stats = dict(tokens=len(counted), seconds=time.perf_counter() - t0,  # drafted、hits：用了草稿头时才有
                           drafted=r.drafted if r else None, hits=r.hits if r else None)
 
-    def encode(self, messages, enable_thinking, tools):
-        """消息 → (提示词的 token 列表, 其中的图)：有图时视觉塔（第一次用时读，与模型同一个 dtype）看图，占位按图展开。"""
+    def encode(self, messages, enable_thinking=False, tools=None, kwargs=None):
+        """消息 → (提示词的 token 列表, 其中的图)：有图时视觉塔（第一次用时读，与模型同一个 dtype）看图，占位按图展开。
+        kwargs：交给检查点自己的模板的参数。"""
         parts = []
-        ids = self.literal.tokens(messages, enable_thinking, tools, images=parts)
+        ids = self.literal.tokens(messages, enable_thinking, tools, images=parts, kwargs=kwargs)
         if not parts:
             return ids[0].tolist(), None
         with torch.inference_mode():

@@ -18,6 +18,8 @@ import torch
 from .chat import build_prompt, text_of
 from .template import Template, checkpoint_template, is_released, specials
 
+KWARG = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")  # 交给模板的参数名
+RESERVED = ("messages", "tools", "add_generation_prompt", "enable_thinking")  # 这几个有自己的参数，不从 kwargs 来
 ESC = "\ufdd0"  # Unicode 的“非字符”：正常的文字里没有它；有也不要紧（写成两个）
 
 
@@ -54,6 +56,22 @@ class Literal:
         ids = [self.as_text(p) if i % 2 == 0 else [self.tk.token_to_id(p)] for i, p in enumerate(pieces)]
         return torch.tensor([[t for part in ids for t in part]])
 
+    def options(self, kwargs) -> dict:
+        """交给检查点自己的模板的参数（chat_template_kwargs，除 enable_thinking 外）→ dict；不能交的 ValueError 说明原因。
+        发布的模板（build_prompt）没有别的参数：给了就是错，不默默丢掉。"""
+        if not kwargs:
+            return {}
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"模板的参数应为 dict，收到 {type(kwargs).__name__}")
+        if self.template is None:
+            what = "用发布的 Qwen3.5 模板，除 enable_thinking 外没有别的参数" if self.chat.templated else "没有对话模板，没有参数可给"
+            raise ValueError(f"这个检查点{what}，收到 {', '.join(map(repr, kwargs))}")
+        for key in kwargs:
+            if not isinstance(key, str) or not KWARG.fullmatch(key) or key in RESERVED:
+                raise ValueError(f"模板的参数 {key!r} 不能给：参数名是字母开头的标识符（至多 64 个字），"
+                                 f"不是 {', '.join(RESERVED)}（它们有自己的参数）")
+        return dict(kwargs)
+
     def describe(self) -> str:
         """加载时说一句用的是哪个模板。"""
         if self.template is not None:
@@ -61,8 +79,8 @@ class Literal:
         return "对话模板：发布的 Qwen3.5 模板（第 13 章的 build_prompt）" if self.chat.templated else "没有对话模板：消息原样接起来续写"
 
     def thinks(self, ids) -> bool:
-        """提示词以没合上的 <think> 结尾：回答从推理开始（读回答时放进 reasoning_content）。"""
-        return self.chat.decode(list(ids)[-6:]).rstrip().endswith("<think>")
+        """提示词以没合上的 <think> 结尾：回答从推理开始（读回答时放进 reasoning_content）。没有对话模板时总是 False。"""
+        return self.chat.templated and self.chat.decode(list(ids)[-6:]).rstrip().endswith("<think>")
 
     def escape(self, v):
         """消息、工具里的每段文字：控制记号换成占位。图的分段（有 image 或 image_url）原样留着。"""

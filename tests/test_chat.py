@@ -11,6 +11,9 @@ from qwen import Chat, Conversation, build_prompt, generate
 from qwen.fast import load_model
 from qwen.conversation import generation_defaults
 from qwen.literal import ESC, Literal
+from qwen.template import Template, is_released
+
+from checkpoints import QWEN_LIKE
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "shared/reference/qwen3.5-chat-template.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "查天气",
@@ -41,16 +44,13 @@ SHAPES = {
 }
 
 
-def jinja_render(messages, tools, thinking, **more):
-    """用 jinja2 渲染发布的模板，与 transformers 的 apply_chat_template 一样设置（tojson 不转义非 ASCII）。"""
-    jinja2 = pytest.importorskip("jinja2")
-    if not TEMPLATE.is_file():
+def jinja_render(messages, tools, thinking, template=None, **more):
+    """用 qwen/template.py 的沙箱渲染模板（默认是发布的，../shared/reference 里的原文），与 transformers 的
+    apply_chat_template 一样设置。"""
+    if template is None and not TEMPLATE.is_file():
         pytest.skip("没有 ../shared/reference/qwen3.5-chat-template.jinja")
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
-    env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
-    return env.from_string(TEMPLATE.read_text()).render(messages=messages, tools=tools, add_generation_prompt=True,
-                                                         enable_thinking=thinking, **more)
+    return Template(template or TEMPLATE.read_text(encoding="utf-8"), "模板").render(
+        messages, tools, True, enable_thinking=thinking, **more)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -59,6 +59,19 @@ def jinja_render(messages, tools, thinking, **more):
 def test_build_prompt_equals_the_released_template(shape, tools, thinking):
     messages = SHAPES[shape]
     assert build_prompt(messages, enable_thinking=thinking, tools=tools) == jinja_render(messages, tools, thinking)
+    assert is_released(TEMPLATE.read_text(encoding="utf-8"))  # 这个检查点上 Literal 走 build_prompt
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "images"])
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no tools", "tools"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_test_checkpoints_template_equals_build_prompt(shape, tools, thinking):
+    """测试检查点带的 QWEN_LIKE（照 build_prompt 写的 jinja，与发布的文字不同，所以走检查点自己的模板那条路）与
+    build_prompt 逐字相同：别的测试在它上面比的，就是发布的模板的行为。"""
+    messages = SHAPES.get(shape) or [m for shape in IMAGE_SHAPES.values() for m in shape if m["role"] != "system"]
+    assert not is_released(QWEN_LIKE)
+    want = build_prompt(messages, enable_thinking=thinking, tools=tools, images=[])
+    assert jinja_render(messages, tools, thinking, QWEN_LIKE) == want
 
 
 IMAGE_SHAPES = {
@@ -255,5 +268,6 @@ def test_cli_with_and_without_mtp(lively, capsys):
     with_mtp, without = run("--temperature", "0"), run("--temperature", "0", "--no-mtp")
     assert with_mtp.out == without.out and with_mtp.out.strip()
     assert "接受率" in with_mtp.err and "接受率" not in without.err and "token/s" in without.err
+    assert "对话模板：检查点自己的（chat_template.jinja" in with_mtp.err  # 加载时说用哪个模板
     a, b = (run("--temperature", "0.9", "--top-p", "0.9", "--seed", "7") for _ in range(2))
     assert a.out == b.out

@@ -237,6 +237,7 @@ def serve(load, name: str, host="127.0.0.1", port=8000, api_key=None, **options)
     def loading():
         try:
             server.ready(load())
+            print(f"（{server.literal.describe()}）", file=sys.stderr)
         except Exception as e:
             server.load_error = e
             uv.should_exit = True

@@ -12,7 +12,7 @@ from ..vision import TooManyImageTokens
 from .body import flag, number, within
 from .engine import Request
 from .errors import ApiError, show
-from .messages import check_messages, check_tools, chosen, thinking
+from .messages import check_messages, check_tools, chosen, template_options
 from .reader import Reader
 
 SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -140,29 +140,38 @@ def request(ids, body, server, keep=None, images=None, grammar=None, top=None) -
 
 
 def chat_job(body, server) -> Job:
-    """POST /v1/chat/completions 的请求体 → Job。引擎在最后一个用户问题的末尾留一份状态（cut_point）。"""
+    """POST /v1/chat/completions 的请求体 → Job。引擎在最后一个用户问题的末尾留一份状态（cut_point）。回答是不是从推理开始
+    看渲染出的提示词（模板以没合上的 <think> 结尾：Literal.thinks），与 enable_thinking 给没给、模板默认什么无关。"""
     check_common(body, CHAT_FIELDS, server.name)
-    chat = server.chat
+    chat, literal = server.chat, server.literal
     messages, tools = check_messages(body.get("messages"), chat.templated), check_tools(body, chat.templated)
-    think = thinking(body, chat.templated)
-    grammar = tool_grammar(body, tools, server, think) or response_grammar(body.get("response_format"), server, think)
+    think, kwargs = template_options(body, literal)
+    parts = []  # 消息里的图（第 13 章的 build_prompt 收下）
+    ids = rendered(lambda: literal.tokens(messages, think, tools, images=parts, kwargs=kwargs))  # 消息里写的控制记号只是文字
+    opens = literal.thinks(ids[0])  # 回答从推理开始
+    grammar = tool_grammar(body, tools, server, opens) or response_grammar(body.get("response_format"), server, opens)
+    images = rendered(lambda: server.see(parts, server.max_prompt - ids.shape[1] - 1)) if parts else None
+    ids = (images.expand(ids) if images is not None else ids)[0].tolist()
+    keep = None
+    if any(m["role"] == "user" for m in messages):
+        keep = rendered(lambda: cut_point(literal, messages, tools, ids, images, enable_thinking=think, kwargs=kwargs))
+    requests = copies(request(ids, body, server, keep, images, grammar, chat_logprobs(body)), body)
+    readers = [Reader(chat.tk, opens, stops(body), tools is not None) for _ in requests]
+    pieces = server.token_bytes() if requests[0].sampling.logprobs is not None else None
+    return Job(requests, readers, *stream_flags(body), chat=True, pieces=pieces)
+
+
+def rendered(step):
+    """渲染提示词、看图的一步：消息不合模板的规矩、检查点自己的模板 raise_exception 或超出界限（TemplateError）、图读不了
+    → 400 说明原因；服务这边没装 Pillow → 501 说出要装的 extra。"""
     try:
-        parts = []  # 消息里的图（第 13 章的 build_prompt 收下）
-        ids = server.literal.tokens(messages, think, tools, images=parts)  # 消息里写的控制记号只是文字
-        images = server.see(parts, server.max_prompt - ids.shape[1] - 1) if parts else None
-        ids = (images.expand(ids) if images is not None else ids)[0].tolist()
-        has_user = any(m["role"] == "user" for m in messages)
-        keep = cut_point(server.literal, messages, tools, ids, images) if has_user else None
-    except ImportError as e:  # 服务这边没装 Pillow：说出要装的 extra
+        return step()
+    except ImportError as e:
         raise ApiError(501, str(e), "messages") from None
     except TooManyImageTokens as e:
         raise ApiError(400, str(e), "messages", "context_length_exceeded") from None
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
-    requests = copies(request(ids, body, server, keep, images, grammar, chat_logprobs(body)), body)
-    readers = [Reader(chat.tk, think, stops(body), tools is not None) for _ in requests]
-    pieces = server.token_bytes() if requests[0].sampling.logprobs is not None else None
-    return Job(requests, readers, *stream_flags(body), chat=True, pieces=pieces)
 
 
 def copies(first: Request, body) -> list:
@@ -187,7 +196,7 @@ def response_grammar(fmt, server, think: bool):
         raise ApiError(400, 'response_format 应为 {"type": "text"}、{"type": "json_object"} 或 {"type": "json_schema", '
                             '"json_schema": {"name": …, "schema": {…}}}', "response_format")
     if think:
-        raise ApiError(400, "response_format 不能与 enable_thinking 一起用：思考的那一段不是 JSON", "response_format")
+        raise ApiError(400, "response_format 不能与思考一起用（enable_thinking 或模板的默认）：思考的那一段不是 JSON", "response_format")
     try:
         return server.grammars().json_schema(spec["schema"])
     except ImportError as e:
@@ -204,7 +213,7 @@ def tool_grammar(body, tools, server, think: bool):
     if body.get("response_format") not in (None, {"type": "text"}):
         raise ApiError(400, "tool_choice 与 response_format 不能一起用：回答要么是工具调用，要么是那个 JSON", "tool_choice")
     if think:
-        raise ApiError(400, f"tool_choice {show(choice)} 不能与 enable_thinking 一起用：思考的那一段不是工具调用", "tool_choice")
+        raise ApiError(400, f"tool_choice {show(choice)} 不能与思考一起用（enable_thinking 或模板的默认）：思考的那一段不是工具调用", "tool_choice")
     try:
         return server.grammars().tool_calls(tools, chosen(choice))
     except ImportError as e:
