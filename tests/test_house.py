@@ -165,3 +165,16 @@ def test_the_checker_catches_a_planted_violation(tmp_path):
     (pkg / "norm.py").write_text("from .embedding import x\nfrom .weights import load\n")
     (pkg / "weights.py").write_text("import json\n")
     assert check_house(pkg, chapters=("weights", "embedding", "norm", "mlp")) == []
+
+
+def test_the_readme_picture_is_drawn_from_the_code():
+    """README 的图（docs/whole.svg）由 docs/whole.py 从代码里的事实画出（层的排法与状态的大小来自 Config，线程的名字来自
+    qwen/serve 的源码）：重画的与仓库里的逐字相同。"""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("whole", ROOT / "docs/whole.py")
+    whole = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(whole)
+    drawn = whole.svg()
+    assert drawn == (ROOT / "docs/whole.svg").read_text(encoding="utf-8"), "python docs/whole.py 重画"
+    assert drawn.count('fill="#f28e2b"') == 6 + 2 and "18 层 Gated DeltaNet 与 6 层门控注意力" in drawn  # 6 层，另有图例与“提交”
