@@ -18,7 +18,8 @@ import torch
 
 from qwen.cache import State, copy_state, keep_history
 from qwen.chat import Chat
-from qwen.fast import DTYPES, LAYOUTS, describe, load, num_params, warm_up
+from qwen.__main__ import layout_of, model_options
+from qwen.fast import DTYPES, describe, load, num_params, warm_up
 from qwen.mtp import speculate
 from qwen.sample import generate
 
@@ -76,23 +77,17 @@ def at_least(low: int):
 
 
 def arguments(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="检查点文件夹（默认 find_model()）")
+    """命令行：加载的选项（--model、--dtype、--layout、--quantize）与 python -m qwen 的是同一份定义（qwen/__main__.py）。"""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                parents=[model_options("主模型与草稿头的矩阵存成 int8 或 int4（分块布局上）")])
     p.add_argument("--prompt", action="append", default=[], help="再加一个提示词（可重复）")
     p.add_argument("--max-new-tokens", type=at_least(1), default=120)
     p.add_argument("--draft-tokens", type=at_least(1), default=None, help="每轮起草几个 token（默认按接受率自动挑）")
     p.add_argument("--draft-vocab", type=draft_vocab, default="auto",
                    help="起草时给哪些 token 打分：auto（默认，见 qwen/vocab.py）、all（全词表）或 n（前 n 个 id）")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="默认：CPU 支持时 bfloat16，否则 float32")
     p.add_argument("--threads", type=at_least(1), default=None)
-    p.add_argument("--layout", choices=["auto", *LAYOUTS], default="auto",
-                   help="矩阵的布局（qwen.fast.LAYOUTS）：auto（默认：能编译 C++ 就是 blocked）、plain、packed、blocked、graphs")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="旧的写法：--compile 即 --layout graphs，--no-compile 即 --layout packed")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="主模型与草稿头的矩阵存成 int8（分块布局上）")
     args = p.parse_args(argv)
-    if args.compile is not None:
-        args.layout = "graphs" if args.compile else "packed"
+    args.layout = layout_of(args)  # --compile 与 --layout 矛盾时报错，不悄悄挑一个
     return args
 
 

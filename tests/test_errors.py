@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,3 +292,17 @@ def test_cli_layout_conflicts_are_refused(args, message):
     with pytest.raises(SystemExit) as exit:
         main(["你好", "--model", "demo", *args])
     assert message in str(exit.value.code)
+
+
+def test_chapter_script_takes_the_clis_load_options():
+    """ch14_mtp.py 的加载选项就是 python -m qwen 的那一份：int4 也收，--compile 与 --layout 矛盾时同样拒绝。"""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ch14_mtp", Path(__file__).resolve().parents[1] / "ch14_mtp.py")
+    ch14 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ch14)
+    args = ch14.arguments(["--quantize", "int4", "--layout", "blocked", "--dtype", "float32"])
+    assert (args.quantize, args.layout, args.dtype) == ("int4", "blocked", "float32")
+    assert ch14.arguments(["--compile"]).layout == "graphs"
+    with pytest.raises(SystemExit, match="--compile 即 --layout graphs，与 --layout packed 矛盾"):
+        ch14.arguments(["--compile", "--layout", "packed"])

@@ -178,3 +178,15 @@ def test_the_readme_picture_is_drawn_from_the_code():
     drawn = whole.svg()
     assert drawn == (ROOT / "docs/whole.svg").read_text(encoding="utf-8"), "python docs/whole.py 重画"
     assert drawn.count('fill="#f28e2b"') == 6 + 2 and "18 层 Gated DeltaNet 与 6 层门控注意力" in drawn  # 6 层，另有图例与“提交”
+
+
+def test_reading_the_chapters_loads_no_appendix():
+    """import qwen 与各章（新的解释器里按顺序导入全部 16 章）不读进任何附录：qwen/__init__.py 只在第一次用到
+    Conversation、qwen.fast 时才导入它们。"""
+    import subprocess
+    import sys
+
+    code = ("import sys, qwen\n" + "".join(f"import qwen.{c}\n" for c in CHAPTERS) +
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('qwen'))))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert loaded == {"qwen", *(f"qwen.{c}" for c in CHAPTERS)}, loaded - {f"qwen.{c}" for c in CHAPTERS}
