@@ -36,6 +36,10 @@ PATHS = {  # 名字 → (检查点, qwen.fast.load 的参数)；默认：分块�
     "compiled-bfloat16": ("lively08b", dict(dtype=torch.bfloat16, layout="graphs")),
     "int8": ("lively08b", dict(dtype=torch.bfloat16, quantize="int8")),
     "int4": ("lively08b", dict(dtype=torch.bfloat16, quantize="int4")),
+    "int8-float32": ("lively", dict(dtype=torch.float32, quantize="int8")),
+    "int4-float32": ("lively", dict(dtype=torch.float32, quantize="int4")),
+    "compiled-int8": ("lively08b", dict(dtype=torch.bfloat16, layout="graphs", quantize="int8")),
+    "compiled-int4": ("lively08b", dict(dtype=torch.bfloat16, layout="graphs", quantize="int4")),
 }
 MODELS = {}  # 同一条路径在本文件的几个测试里共用一个模型（编译的图只编译一次）
 
@@ -77,10 +81,11 @@ def test_verified_rows_are_decoded_rows(request, name):
                     assert torch.equal(a.S, b.S) and torch.equal(a.conv, b.conv)
 
 
-@pytest.mark.parametrize("name", ["default-bfloat16", "compiled-bfloat16", "int8", "int4"])
-def test_bfloat16_speculation_equals_greedy(request, name):
-    """bfloat16、int8 与 int4，0.8B 的宽度：投机解码（固定 k = 1、2、3 与自动挑 k）与同一模型的普通贪心逐 token 相同，48 个 token。
-    草稿由“知道答案”的草稿器给出（以 0.6 的概率对），接受与拒绝都常发生；warm_up 之后不再编译任何图。"""
+@pytest.mark.parametrize("name", PATHS)
+def test_speculation_with_accepted_drafts_equals_greedy(request, name):
+    """每条路径（布局 × dtype × 权重格式，graphs 与 int8/int4 的组合、float32 的模型上的 int8/int4 也在内）：投机解码（固定
+    k = 1、2、3 与自动挑 k）与同一模型的普通贪心逐 token 相同，48 个 token。草稿由“知道答案”的草稿器给出（以 0.6 的概率对），
+    接受与拒绝都常发生（hits > 0：被接受的草稿的提交真的走到了）；warm_up 之后不再编译任何图。"""
     from torch._dynamo.utils import counters
 
     model, mtp = load(request, name)

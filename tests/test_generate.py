@@ -275,12 +275,12 @@ def test_reply_streams_text(chat):
 # ---------- 批处理 ----------
 
 
-BATCH_LAYOUTS = {"bf16": {}, "packed": dict(layout="packed"), "int8": dict(quantize="int8")}
+BATCH_LAYOUTS = {"bf16": {}, "packed": dict(layout="packed"), "int8": dict(quantize="int8"), "int4": dict(quantize="int4")}
 
 
 @pytest.mark.parametrize("layout", BATCH_LAYOUTS)
 def test_batch_rows_equal_separate_runs_bit_for_bit(lively, layout):
-    """快路径上（bfloat16 的默认分块布局、oneDNN 打包的布局、int8）批处理的每一行与单独生成它逐位相同：贪心的，与带种子
+    """快路径上（bfloat16 的默认分块布局、oneDNN 打包的布局、int8、int4）批处理的每一行与单独生成它逐位相同：贪心的，与带种子
     采样的（每行一个以 seed 起头的随机数发生器）。提示词长短不一（1～100 个 token，左填充；100 个的超过一层能拼的 32 个），
     续写多样（每行至少 5 种 token），bfloat16 下差一个舍入就会换掉 token——左填充着算的时候就是这样。"""
     model = load_model(lively[0], dtype=torch.bfloat16, **BATCH_LAYOUTS[layout])

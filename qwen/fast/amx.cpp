@@ -18,6 +18,9 @@
 #include <cstdlib>
 #include <cstring>
 
+// 这里的瓦片按每块 32 个输出、每 32 个输入一个 int4 比例写（两个 16 列的瓦片一块）：尺寸变了要重写瓦片，编译时就报出来
+static_assert(QWEN_BLOCK == 32 && QWEN_QGROUP == 32, "amx.cpp 的瓦片按 BLOCK = QGROUP = 32 写");
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -150,7 +153,7 @@ static void gemm_blocks(const uint16_t* x, int64_t M, int64_t K, int64_t nb, uin
     load_tiles();
     uint16_t* wb = static_cast<uint16_t*>(aligned_alloc(64, K * 64));  // K/2 对 × 32 × 2 个 bfloat16
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; b++) block_amx(x, M, K, pairs_of(b, wb), y + b * 32, nb * 32);
+    for (int64_t b = 0; b < nb; b++) block_amx(x, M, K, pairs_of(b, wb), y + b * QWEN_BLOCK, nb * QWEN_BLOCK);
     free(wb);
     _tile_release();
   }

@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 
 from .records import read_record, record_file, write_record
+from .sizes import BLOCK, QGROUP
 
 SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp", "attention.cpp",
                                                  "layer.cpp")]  # 编进同一个 .so
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-BLOCK = 32  # 每块的输出个数（与 matvec.cpp、linear.py 相同）
-QGROUP = 32  # int4：每个输出每这么多个输入一个比例（与 matvec.cpp 相同）
+# 块的宽度与量化的组长由这里交给 C++（sizes.py 是唯一的出处）
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+         f"-DQWEN_BLOCK={BLOCK}", f"-DQWEN_QGROUP={QGROUP}"]
 NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}  # 入口名字里的 dtype
 
 

@@ -100,7 +100,7 @@ Rows model_rows(bool bf16, const float* x, int64_t n) {  // float32 → 模型�
 
 // y = x [M, n_in] 乘 L → [M, n_out]，模型的 dtype（与 kernel.py 的 Kernel.matvec 一样地调用内核，再去掉补的零列）
 Rows linear(const Lin& L, Rows& x, int64_t M) {
-  const int64_t width = L.blocks * 32;
+  const int64_t width = L.blocks * QWEN_BLOCK;
   Rows y{x.bf16, {}, {}};
   y.resize(M * width);
   if (L.kind == 2) {

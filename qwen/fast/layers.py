@@ -29,14 +29,11 @@ from ..model import Model
 from .kernel import LayerParams, Lin
 from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
+from .sizes import COMPILED_PIECE, DECODE_LENGTHS, GROUPED_FROM, STEP_ROWS, VERIFY_ROWS  # noqa: F401  别处从这里取
 
-DECODE_LENGTHS = (1, 2, 3, 4, 5)  # 编译的路径上一步编译成一张图的长度：解码 1 个 token，验证 1～4 个草稿
-VERIFY_ROWS = max(DECODE_LENGTHS)  # 不多于这么多个 token 时逐个位置地算（DeltaNet 递推、注意力逐个查询）：与解码逐位相同
-# DeltaNet 层不多于这么多个 token 时由 C++ 的 deltanet_step 逐个位置地走（FastDeltaNet.step）：验证草稿（不多于 VERIFY_ROWS）
-# 必须这样算（与解码逐位相同）；短的提示词也这样读，这么短时不比分块形式（第 8 章）慢，而且调用时放开 GIL。它也是一次
-# 前向能与别的请求拼在一起的上限（can_share），服务的调度（qwen/serve/schedule.py）按同一个数把长提示词放在对齐之外读
-STEP_ROWS = 32
-COMPILED_PIECE = 512  # 编译的路径上长提示词按这么多个 token 一段喂：每段要把分块的矩阵拼回普通布局一次，段长些划算
+# 一次前向有几个 token 时走哪条路（DECODE_LENGTHS、VERIFY_ROWS、STEP_ROWS、GROUPED_FROM、COMPILED_PIECE）：sizes.py 的表。
+# STEP_ROWS：DeltaNet 层由 C++ 的 deltanet_step 逐个位置地走（FastDeltaNet.step）：验证草稿必须这样算（与解码逐位相同）；
+# 短的提示词也这样读，这么短时不比分块形式（第 8 章）慢，而且调用时放开 GIL
 
 
 def recurrent_in_place(q, k, v, g, beta, S, keep_all: bool = False):
@@ -72,9 +69,6 @@ def delta_step(q, k, v, g, beta, S, in_place: bool):
     k_col = k.transpose(-1, -2)  # [B, H, Dk, 1]：与 δ [B, H, 1, Dv] 广播成外积
     S = S.mul_(d).addcmul_(k_col, delta) if in_place else (S * d).addcmul_(k_col, delta)
     return o, S
-
-
-GROUPED_FROM = 256  # 解码时缓存至少这么长才用分组矩阵乘法（更短时 SDPA 的固定开销更小）
 
 
 def attend_cache(q, k_all, v_all):

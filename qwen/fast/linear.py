@@ -23,12 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernel as kernels
+from .sizes import BLOCK, KERNEL_ROWS, PAD_ROWS, QGROUP  # 各管什么：sizes.py 的表
 from .records import read_record, record_file, write_record  # 也从这里导出（qwen.fast、测试从 .linear 引用它们）
 
-PAD_ROWS = 4  # 打包的 bfloat16 内核：不足这么多行时补零行
-BLOCK = 32  # 分块布局每块的输出个数
-QGROUP = kernels.QGROUP  # int4：每个输出每这么多个输入一个比例
-KERNEL_ROWS = 32  # 不超过这么多行时用 C++ 的 matvec；更多行（长的预填充）时拼回普通布局交给 F.linear（拼回一次有固定的代价）
 # 编译的图（step.py 的整步、草稿头）生成的 C++ 里不把乘、加合成 FMA：合不合成由编译器对每段代码各自决定，同一行在
 # 不同的图里可能一处合成、一处不合成，结果就差一点（投机解码验证的行与单独解码的行必须逐位相同，见第 14 章）
 COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "off"}

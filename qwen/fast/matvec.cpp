@@ -41,7 +41,10 @@ constexpr int WIDTH = 8;
 constexpr int GROUP = 3;  // 3 行 × 4 个累加向量 + 3 个广播的输入，正好放进 16 个寄存器
 #endif
 
-constexpr int BLOCK = 32;             // 每块的输出个数
+#if !defined(QWEN_BLOCK) || !defined(QWEN_QGROUP)
+#error "块宽与量化的组长由 kernel.py 编译时给：-DQWEN_BLOCK=… -DQWEN_QGROUP=…（出处 qwen/fast/sizes.py）"
+#endif
+constexpr int BLOCK = QWEN_BLOCK;     // 每块的输出个数
 constexpr int LANES = BLOCK / WIDTH;  // 每行几个累加向量
 constexpr int AHEAD = 64;             // 预取提前几个输入（bfloat16 时 64 行 × 64 字节 = 4 KB）
 
@@ -325,7 +328,7 @@ float same(float v) { return v; }
 // （int8，比例是每个输出一个，乘在最后）。int4 一份 64 个字节：第 4j + t 个字节的低 4 位是第 j 个输出、第 t 个输入，
 // 高 4 位是第 j + 16 个输出（j < 16），存的是 q + 8，比例 [块, 组, 32] float16。输入维补到 32 的倍数（补的权重、输入都是 0）。
 
-constexpr int QIN = 32;  // 输入每这么多个一组量化（int4 的权重也是每这么多个输入一个比例）
+constexpr int QIN = QWEN_QGROUP;  // 输入每这么多个一组量化（int4 的权重也是每这么多个输入一个比例）
 typedef int32_t ivec __attribute__((vector_size(WIDTH * 4)));  // WIDTH 个 int32，或 4·WIDTH 个字节
 typedef uint8_t bvec __attribute__((vector_size(WIDTH * 4)));
 typedef int8_t svec __attribute__((vector_size(WIDTH * 4)));

@@ -14,12 +14,11 @@ FastDecoderLayer.can_share 是同一个数），在对齐里读的话，别的�
 提示词按 PROMPT_PIECE 个 token 一段读（pieces）：段与段之间看一次请求取消了没有。
 """
 
-from ..fast.layers import STEP_ROWS
+from ..fast.sizes import PROMPT_PIECE, STEP_ROWS
 from ..fast.linear import BlockedLinear
 from ..fast.step import FastModel
 from ..mtp import MTP
 
-PROMPT_PIECE = 64  # 提示词按这么多个 token 一段读（一次 Resume.feed）：对齐之外读时，段与段之间可以停下
 # 与别的请求一起生成时，贪心的请求多起草一个 token 的代价是单独时（mtp.draft_cost）的这么多倍：单独时矩阵乘法多一行几乎
 # 不花钱（读权重的时间盖过了乘加），几个请求的行拼在一起之后多的行就不那么便宜了。怎么定的见 docs/performance.md 的
 # “服务：连续批处理”
