@@ -16,7 +16,7 @@ from qwen.fast.linear import (BLOCK, KERNEL_ROWS, BlockedLinear, PackedLinear, d
                               matvec_blocks, quantize_int8, to_blocks)
 from qwen.fast.rows import FileEmbedding, FileRows, RowReader
 
-from checkpoints import make_checkpoint, prompt
+from checkpoints import WIDTHS_08B, make_checkpoint, prompt
 from test_chunk import inputs
 
 LENGTHS = [1, 2, 63, 64, 65, 130]
@@ -484,12 +484,21 @@ def test_compiled_bfloat16_matvec_matches_linear(quantize):
                 assert ((got - ref).abs() <= 0.02 * ref.abs() + 0.1).all()
 
 
-@pytest.mark.parametrize("quantize, dtype, tol", [("int8", torch.int8, 0.08), ("int4", torch.uint8, 0.6)])
-def test_quantized_logits_stay_close_and_greedy_agrees(widths08b, quantize, dtype, tol):
+@pytest.fixture(scope="module")
+def varied08b(tmp_path_factory):
+    """0.8B 的宽度、两层（DeltaNet 与注意力各一），写回残差流的投影尺度 1：每个位置的 argmax 各不相同、几乎从不是输入的
+    那个 token（widths08b 上 argmax 几乎总是输入的 token，比 argmax 一致说明不了什么）。"""
+    two = WIDTHS_08B | dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    return make_checkpoint(tmp_path_factory.mktemp("varied08b"), seed=4, out_scale=1.0, **two)[0]
+
+
+@pytest.mark.parametrize("quantize, dtype, tol, agreeing", [("int8", torch.int8, 0.08, 0.85), ("int4", torch.uint8, 0.45, 0.45)])
+def test_quantized_logits_stay_close_and_greedy_agrees(varied08b, quantize, dtype, tol, agreeing):
     """量化的模型（0.8B 的宽度，全部矩阵含输出头，float32 计算）对普通的 float32 模型：预填充 64 个 token 与之后逐个
-    解码时，logits 的相对误差 ‖Δ‖/‖logits‖ 都在 tol 以内（随机权重的量化误差比训练过的大得多：这里 int8 约 5%、int4
-    约 47%，数字见 docs/performance.md），每个位置的 argmax 至少 90% 相同（错的量化是 100% 量级的误差、argmax 几乎全错）。"""
-    path, _ = widths08b
+    解码时，logits 的相对误差 ‖Δ‖/‖logits‖ 都在 tol 以内（随机权重的量化误差比训练过的大得多：int4 约三分之一），
+    argmax 至少 agreeing 相同；这个检查点的 argmax 多样、几乎不是输入的 token（先查），所以一致不是白给的：错的量化
+    （比例错位、半字节颠倒）是 100% 量级的误差，argmax 几乎全错。"""
+    path = varied08b
     m32 = Model.from_pretrained(path, dtype=torch.float32)
     mq = load_model(path, quantize=quantize, dtype=torch.float32)
     assert mq.lm_head.blocks.dtype == dtype and mq.layers[0].mlp.down_proj.blocks.dtype == dtype
@@ -497,6 +506,7 @@ def test_quantized_logits_stay_close_and_greedy_agrees(widths08b, quantize, dtyp
     s32, sq = State(m32), State(mq)
     with torch.inference_mode():
         a, b = m32(ids, s32), mq(ids, sq)
+        assert len(set(a.argmax(-1)[0].tolist())) >= 48 and (a.argmax(-1) == ids).float().mean() <= 0.1  # 不是白给的
         assert (a - b).norm() / a.norm() <= tol
         agree = (a.argmax(-1) == b.argmax(-1)).sum().item()
         for _ in range(4):
@@ -504,7 +514,7 @@ def test_quantized_logits_stay_close_and_greedy_agrees(widths08b, quantize, dtyp
             a, b = m32(token, s32), mq(token, sq)
             assert (a - b).norm() / a.norm() <= tol
             agree += int(a.argmax() == b.argmax())
-    assert agree / 68 >= 0.9
+    assert agree / 68 >= agreeing
 
 
 @pytest.mark.parametrize("kw, message", [

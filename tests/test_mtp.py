@@ -7,6 +7,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from checkpoints import make_checkpoint
 from qwen import Model, State
 from qwen.fast import load_draft, load_model
 from qwen.bench import OracleDrafter
@@ -115,10 +116,12 @@ def test_plain_path_speculates_like_greedy(lively):
 
 
 @pytest.fixture(scope="module")
-def smooth(tiny):
-    """平稳的小模型（写回残差流的投影尺度 0.1）：一层的草稿头学得会它。"""
-    model = Model.from_pretrained(tiny[0], dtype=torch.float32)  # 要对它求导来拟合草稿头
-    return model, load_draft(load_model(tiny[0], layout="packed", dtype=torch.float32)), fit_mtp(model)
+def smooth(tmp_path_factory):
+    """较平稳的小模型（写回残差流的投影尺度 0.2）：一层的草稿头学得会它，而它的贪心续写仍然多样（尺度 0.1 的 tiny
+    续写只重复一个 token，那样的“接受率”谁都猜得中）。"""
+    path = make_checkpoint(tmp_path_factory.mktemp("smooth"), seed=1, out_scale=0.2)[0]
+    model = Model.from_pretrained(path, dtype=torch.float32)  # 要对它求导来拟合草稿头
+    return model, load_draft(load_model(path, layout="packed", dtype=torch.float32)), fit_mtp(model)
 
 
 def fit_mtp(model, steps=300, seed=0):
@@ -146,14 +149,18 @@ def fit_mtp(model, steps=300, seed=0):
 
 
 def test_acceptance_is_real_with_a_good_head(smooth):
+    """拟合过的草稿头在没见过的提示词上猜中一半以上，随机的几乎猜不中；续写是多样的（多数提示词 10 种以上的 token），
+    所以猜中的不是“重复上一个”。输出与贪心相同由 test_greedy_speculative_equals_plain 测。"""
     model, mtp, good_mtp = smooth
-    good = bad = 0.0
+    good, bad, varied = [], [], 0
     for s in range(6):
         ids = ids_of(8, seed=5000 + s)  # 没拟合过的提示词
-        good += speculate(model, good_mtp, ids, 40).acceptance / 6  # 输出与贪心相同由 test_greedy_speculative_equals_plain 测
-        bad += speculate(model, mtp, ids, 40).acceptance / 6
-    assert good >= 0.6, good
-    assert bad <= 0.2, bad
+        r = speculate(model, good_mtp, ids, 40)
+        varied += len(set(r.tokens)) >= 10
+        good.append(r.acceptance)
+        bad.append(speculate(model, mtp, ids, 40).acceptance)
+    assert varied >= 4, varied
+    assert sum(good) / 6 >= 0.45 and sum(bad) / 6 <= 0.1, (good, bad)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

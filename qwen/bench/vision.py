@@ -115,7 +115,7 @@ def llama_mtmd(args, png: Path) -> dict:
     return {"first": end - (m * 60 + s + ms / 1e3 + us / 1e6), "encode": encode}
 
 
-def main(argv=None):
+def arguments(argv):
     p = argparse.ArgumentParser(prog="python -m qwen.bench.vision", description="看图的速度：塔本身与第一个 token")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--size", type=int, default=448, help="正方形图的边长（像素）")
@@ -124,7 +124,11 @@ def main(argv=None):
     p.add_argument("--gguf", default=None, help="文本模型的 GGUF（同样的权重）")
     p.add_argument("--mmproj", default=None, help="视觉塔的 GGUF（llamacpp.sh convert … mmproj）")
     p.add_argument("--json", default=None, help="把结果写进这个文件")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = arguments(argv)
     from PIL import Image
 
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (args.size, args.size, 3), dtype=np.uint8))
@@ -163,7 +167,12 @@ def main(argv=None):
                 llama = llama_mtmd(args, Path(tmp) / "image.png")
                 times["第一个 token：llama-mtmd-cli"] = min(times.get("第一个 token：llama-mtmd-cli", 1e9), llama["first"])
                 times["塔：llama.cpp 的 mmproj"] = min(times.get("塔：llama.cpp 的 mmproj", 1e9), llama["encode"])
-    print(f"{machine()}；{args.size}×{args.size} 的图 = {grid[1] * grid[2]} 块、{ids.shape[1] - QUESTION - 2} 个 token，"
+    report(args, times, f"{grid[1] * grid[2]} 块、{ids.shape[1] - QUESTION - 2} 个 token", model)
+
+
+def report(args, times: dict, what: str, model) -> None:
+    """打印（与按 --json 存下）每一项的最短时间。"""
+    print(f"{machine()}；{args.size}×{args.size} 的图 = {what}，"
           f"加 {QUESTION} 个 token 的问题；模型 {model.dtype}，layout={model.layout}；{args.rounds} 轮取最小")
     for k, s in times.items():
         print(f"  {k:<28}{s * 1000:9.0f} ms")
