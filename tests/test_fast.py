@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from qwen import Model, State
+from qwen import Model, State, generate
 from qwen.fast import load_draft, load_model
 from qwen.deltanet import recurrent_gated_delta_rule
 from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
@@ -383,26 +383,34 @@ def weight_kinds(kernel, w):
             (int8.blocks, int8.scales), (int4.blocks, int4.scales)]
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="更窄的向量宽度是 x86 的编译选项")
-def test_every_vector_width_computes_the_same_rows(tmp_path, monkeypatch):
-    """内核按这台机器最宽的向量编译（-march=native：有 AVX-512 就是 16 宽，有 VNNI 时 int4 用 vpdpbusd）；在这台机器上另编出
-    更窄的（没有 VNNI 的 AVX-512、AVX2，不用 FMA 的 portable），每一种这台机器都跑得了。有 FMA 的几种逐位相同（每个输出
-    都是自己的累加器、同样的求和顺序，宽度只改每条指令算几个输出；int4 的整数点积是精确的），不用 FMA 的先乘后加、
-    各舍入一次，与定义 matvec_blocks 差在舍入之内。"""
-    from qwen.fast.kernel import FLAGS, NARROWER, Kernel, kernel_file, load_or_build
+@pytest.fixture(scope="module")
+def narrower(tmp_path_factory):
+    """这台机器上另编出的更窄的内核（没有 VNNI 的 AVX-512、AVX2，不用 FMA 的 portable）中它跑得了的：ISA → Kernel。
+    编进本模块自己的文件夹，两个测试共用（编一种要几十秒）。"""
+    from qwen.fast.kernel import FLAGS, NARROWER, Kernel, load_or_build
     from qwen.fast.linear import find_compiler
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cxx, native = find_compiler(), load_matvec()
-    w = torch.randn(300, 96, generator=torch.Generator().manual_seed(11))
-    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(12))
-    kinds = weight_kinds(native, w)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("更窄的向量宽度是 x86 的编译选项")
+    cxx, native, folder = find_compiler(), load_matvec(), tmp_path_factory.mktemp("narrower")
+    out = {}
     for isa, extra in NARROWER.items():
         if isa == native.isa or (isa.startswith("AVX-512") and native.width == 8):
             continue  # 这台机器的就是它，或者这台机器没有 AVX-512
-        flags = [*FLAGS, *extra]
-        narrow = Kernel(load_or_build(kernel_file(cxx, flags), cxx, flags))
-        assert narrow.isa == isa
+        out[isa] = Kernel(load_or_build(folder / f"{isa}.so", cxx, [*FLAGS, *extra]))
+        assert out[isa].isa == isa
+    return out
+
+
+def test_every_vector_width_computes_the_same_rows(narrower):
+    """内核按这台机器最宽的向量编译（-march=native：有 AVX-512 就是 16 宽，有 VNNI 时 int4 用 vpdpbusd）；更窄的每一种
+    （narrower）有 FMA 的逐位相同（每个输出都是自己的累加器、同样的求和顺序，宽度只改每条指令算几个输出；int4 的整数
+    点积是精确的），不用 FMA 的先乘后加、各舍入一次，与定义 matvec_blocks 差在舍入之内。"""
+    native = load_matvec()
+    w = torch.randn(300, 96, generator=torch.Generator().manual_seed(11))
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(12))
+    kinds = weight_kinds(native, w)
+    for isa, narrow in narrower.items():
         for blocks, s in kinds:
             for rows in (1, 2, 4, 9):
                 want, got = native.matvec(x[:rows], blocks, s), narrow.matvec(x[:rows], blocks, s)
@@ -410,6 +418,30 @@ def test_every_vector_width_computes_the_same_rows(tmp_path, monkeypatch):
                     assert torch.equal(got, want), (isa, blocks.dtype, rows)
                 else:
                     assert torch.allclose(got, matvec_blocks(x[:rows], blocks, s), atol=1e-4), (isa, blocks.dtype, rows)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_every_vector_width_decodes_and_speculates(lively, narrower, monkeypatch, quantize):
+    """更窄的每一种内核跑整个模型（matvec、deltanet_step、rms_norm 都是它的）：bfloat16 与 int8、int4 的权重，贪心解码
+    多样，投机解码（知道答案的草稿器，草稿常被接受）与同一个内核的普通贪心逐 token 相同：验证的行就是解码的行，在
+    每一种向量宽度上都成立，不只是这台机器最宽的那种。"""
+    import importlib
+
+    from qwen.bench import OracleDrafter
+    from qwen.mtp import speculate
+
+    assert narrower or pytest.skip("这台机器只有最窄的一种")
+    loading = importlib.import_module("qwen.fast.load")  # 模块（qwen.fast.load 这个名字是同名的函数）
+    for isa, kernel in narrower.items():
+        monkeypatch.setattr(loading, "load_matvec", lambda kernel=kernel: kernel)
+        model = loading.load_model(lively[0], dtype=torch.bfloat16, quantize=quantize)
+        assert model.layers[0].mlp.down_proj.kernel is kernel
+        mtp = loading.load_draft(model)
+        ids = prompt(model.cfg.vocab_size, 40, seed=7)
+        plain = generate(model, ids, 24)
+        assert len(set(plain)) >= 6, (isa, plain)
+        r = speculate(model, OracleDrafter(mtp, ids[0].tolist() + plain, 0.6, seed=1), ids, 24, draft_tokens=3)
+        assert r.tokens == plain and r.hits > 0, isa
 
 
 def test_quantized_matvecs_are_faster_than_bfloat16():
