@@ -178,9 +178,9 @@ def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, pi
 
 @torch.inference_mode()
 def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, draft_tokens=None,
-               recompute=False, result=None, state=None, drafter=None, history=(), draft_cost=None, images=None, **settings):
+               recompute=False, result=None, state=None, drafter=None, history=(), cost_now=None, images=None, **settings):
     """逐轮产出新 token（接受的草稿与主模型补的一个），细节记进 result。draft_tokens=None：按接受率挑；recompute：存档 + 重算。
-    接着对话时 state 已读过 history，drafter 是草稿头这一边；draft_cost：每轮问一次的代价函数（默认 mtp.draft_cost）。"""
+    接着对话时 state 已读过 history，drafter 是草稿头这一边；cost_now：每轮问一次当前的起草代价的函数（默认取 mtp.draft_cost）。"""
     t0, s = time.perf_counter(), Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
@@ -204,7 +204,7 @@ def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling 
     drafter.add(h, ids[0, int(fresh) :].tolist() + [last])  # 草稿头还没见过的对：每个位置配上下一个 token
     idle = 0  # 连续几轮没有起草
     while last not in stop and len(r.tokens) < max_new_tokens:
-        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], draft_cost() if draft_cost else mtp.draft_cost)
+        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], cost_now() if cost_now else mtp.draft_cost)
         k = max(k, int(idle >= PROBE_EVERY))  # 太久没起草：试一个，让接受率的估计跟上文本的变化
         k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
         idle = idle + 1 if k == 0 else 0

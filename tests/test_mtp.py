@@ -411,14 +411,14 @@ def test_compiled_speculative_equals_plain(lively):
 
 
 def test_draft_cost_is_asked_every_round(model, mtp):
-    """draft_cost 是每轮问一次的函数（服务时随同时生成的请求数变）：便宜的几轮起草，变贵之后不起草（每 PROBE_EVERY
+    """cost_now 是每轮问一次的函数（服务时随同时生成的请求数变）：便宜的几轮起草，变贵之后不起草（每 PROBE_EVERY
     轮试一个）；输出始终与普通贪心相同。"""
     from qwen.mtp import PROBE_EVERY
 
     ids = ids_of(10, seed=801)
     seq = ids[0].tolist() + generate(model, ids, 80)
     costs = iter([0.05] * 5 + [50.0] * 200)
-    r = speculate(model, OracleDrafter(mtp, seq, 0.9, seed=1), ids, 80, draft_cost=lambda: next(costs))
+    r = speculate(model, OracleDrafter(mtp, seq, 0.9, seed=1), ids, 80, cost_now=lambda: next(costs))
     assert r.tokens == seq[10:]
     ks = [k for k, _, _ in r.trace]
     assert all(k >= 1 for k in ks[:5]) and ks[5 : 5 + PROBE_EVERY] == [0] * PROBE_EVERY

@@ -146,9 +146,9 @@ def test_drafting_costs_more_in_a_batch(served):
         saved = set(engine.running)
         engine.running.clear()
         engine.running.add(1)
-        alone = engine.draft_cost()
+        alone = engine.draft_cost_now()
         engine.running.add(2)
-        together = engine.draft_cost()
+        together = engine.draft_cost_now()
         engine.running.clear()
         engine.running.update(saved)
     assert alone == engine.mtp.draft_cost and together == BATCHED_DRAFT_COST * alone > alone

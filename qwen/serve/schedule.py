@@ -41,7 +41,7 @@ def last_piece(start: int, end: int, size: int = PROMPT_PIECE) -> int:
     return start + size * ((end - start - 1) // size) if end > start else start
 
 
-def draft_cost(alone: float, running: int) -> float:
+def batched_draft_cost(alone: float, running: int) -> float:
     """贪心的请求每轮按这个代价挑草稿数（第 14 章 best_draft_count）：只有它一个在生成时是 alone（mtp.draft_cost），
     与别的请求一起时贵 BATCHED_DRAFT_COST 倍——接受率不够高时就不起草，这一轮就是成批的普通解码。
     采样的请求不用它：草稿数变了，同一个种子抽出的 token 也变，一个请求的输出就会随别的请求而变。"""
