@@ -95,8 +95,8 @@ def spec_tables(res: dict) -> list:
                 continue
             lines += ["", f"投机解码（{dtype}{label}，{res['tokens']} 个 token，相对前后紧挨着测的两次普通贪心；加速比按解码阶段算，"
                       f"与解码 tok/s 同一口径，括号里是含预填充（{PROMPT_LEN} 个 token 的提示词）的；草稿词表 "
-                      f"{r[key]['draft_vocab'] or '全部'}）", "| 接受率 a | k | 加速比（含预填充） | 理想值 | 平均 k | 平均轮数 | 第一个草稿实际猜对 |",
-                      "|---|---|---|---|---|---|---|"]
+                      f"{r[key]['draft_vocab'] or '全部'}）",
+                      "| 接受率 a | k | 加速比（含预填充） | 理想值 | 平均 k | 平均轮数 | 第一个草稿实际猜对 |", "|---|---|---|---|---|---|---|"]
             for s in spec:
                 name = "课程做法 (k=1)" if s["course"] else str(s["k"])
                 best = ideal(s["a"], s["mean_k"] if s["k"] == "auto" else s["k"])

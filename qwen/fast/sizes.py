@@ -17,7 +17,7 @@
 | VERIFY_ROWS | max(DECODE_LENGTHS) | 不多于这么多个 token 时逐个位置地算（DeltaNet 递推、注意力逐个查询）：验证的行与解码逐位相同 |
 | STEP_ROWS | 32 | 不多于这么多个 token 时 DeltaNet 层由 deltanet.cpp 逐个位置地走、一层一次 C 调用；也是一次前向能与别的请求拼在一起的上限 |
 | GROUPED_FROM | 256 | 解码时缓存至少这么长才用分组矩阵乘法算注意力（更短时 SDPA 的固定开销更小） |
-| COMPILED_PIECE | 512 | graphs 布局上长提示词按这么多个 token 一段喂 |
+| COMPILED_PIECE | 512 | 分块布局（blocked、graphs）上长提示词一段的长度：每段拼回普通布局一次，段长些划算 |
 | PROMPT_PIECE | 64 | 服务按这么多个 token 一段读提示词：段与段之间可以停下（取消、关闭） |
 
 各章自己的门槛在各章里（附录不改它们）：第 8 章的 CHUNK = 64（分块形式的块长）、第 9 章的 RECURRENT_MAX_T = 3（普通模型
