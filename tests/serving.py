@@ -52,6 +52,13 @@ def request(method, url, headers=None, body=None):
         conn.close()
 
 
+def check_error(code, reply, status, words):
+    """一个错误的回答：状态码是 status，OpenAI 的错误体（message、type、param、code），message 里有 words。"""
+    assert code == status, reply
+    error = reply["error"]
+    assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
 def get(url):
     status, _, body = request("GET", url)
     return status, body

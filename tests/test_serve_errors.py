@@ -10,7 +10,7 @@ import pytest
 
 from qwen import generate
 
-from serving import NAME, ask, either, get, openai, plain, post, request, served, start, stop  # noqa: F401  fixture
+from serving import NAME, ask, check_error, either, get, openai, plain, post, request, served, start, stop  # noqa: F401  fixture
 
 
 # ---------- 坏的请求：4xx 与 OpenAI 的错误体，有没有对话模板都是 ----------
@@ -75,12 +75,6 @@ BAD = [
     ({"model": "gpt-4", "messages": HI}, 404, "gpt-4"),
     ({"messages": HI, "n": 9}, 400, "n 应在"),
 ]
-
-
-def check_error(code, reply, status, words):
-    assert code == status, reply
-    error = reply["error"]
-    assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize("body,status,words", BAD)

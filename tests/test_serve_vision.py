@@ -17,7 +17,7 @@ from qwen.vision import VisionTower
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 PIL = pytest.importorskip("PIL.Image")
-from test_serve import NAME, check_error, post, start, stop  # noqa: E402  同一套起服务、发请求的工具
+from serving import NAME, check_error, post, start, stop  # noqa: E402  同一套起服务、发请求的工具
 
 
 def data_url(seed, size=(64, 96), fmt="PNG") -> str:
@@ -130,7 +130,7 @@ def test_an_image_to_a_checkpoint_without_a_tower(seen, tmp_path):
     """demo 没有视觉塔：400，说它不能看图；服务接着回答别的请求。"""
     from qwen.serve.api import Server
     from qwen.serve.engine import Engine
-    from test_serve import post as send
+    from serving import post as send
 
     server = Server(NAME, max_tokens=16)
     server.ready(Engine(load_model("demo", dtype=torch.float32), None, slots=1, cache_mb=8))
