@@ -175,7 +175,7 @@ def test_reused_turns_equal_reprefilled_turns(lively, model, mtp):
     chat = Chat(model, lively[0])
     reusing = Conversation(chat, mtp)
     assert (reusing.mtp is not None) == mtp
-    messages, total_prev = [{"role": "system", "content": "你是助手。"}], None
+    messages = [{"role": "system", "content": "你是助手。"}]
     for i, text in enumerate(TURNS):
         messages.append({"role": "user", "content": text})
         answer = "".join(reusing.reply(messages, max_new_tokens=12, temperature=0))

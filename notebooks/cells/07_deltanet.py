@@ -11,7 +11,7 @@
 # 看第一个 DeltaNet 层的门 exp(g)、记忆的大小、分块与递推是否相同、一条记忆怎样被遗忘，以及回滚用的 `state_after`。
 
 # %%
-%matplotlib inline
+# 图直接画在笔记本里（Jupyter 的 matplotlib-inline 后端，不必写 %matplotlib inline）
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F

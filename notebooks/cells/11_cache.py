@@ -6,7 +6,7 @@
 # 再看撤销最近喂进去的 token 的两种做法：存档与回退（`snapshot` / `rollback`）、记下历史再提交（`keep_history` / `commit`）。
 
 # %%
-%matplotlib inline
+# 图直接画在笔记本里（Jupyter 的 matplotlib-inline 后端，不必写 %matplotlib inline）
 import matplotlib.pyplot as plt
 import torch
 

@@ -7,7 +7,7 @@
 # 它的输出没有意义，只看形状与排列。
 
 # %%
-%matplotlib inline
+# 图直接画在笔记本里（Jupyter 的 matplotlib-inline 后端，不必写 %matplotlib inline）
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
