@@ -57,11 +57,12 @@ def blocked_model(tiny):
 @pytest.mark.parametrize("dtype,quantize", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"),
                                             (torch.bfloat16, "int4")])
 def test_layers_of_several_requests_at_once_equal_each_alone(tiny, dtype, quantize):
-    """服务时几个请求的同一层一次算完（forward_many，附录 qwen/serve）：解码的 1 个 token、验证的 3 个（记历史）、
+    """服务时几个请求的同一层一次算完（qwen/fast/share.py 的 layer_many，服务与左填充的批处理共用）：解码的 1 个 token、验证的 3 个（记历史）、
     短提示词的 7 个拼在一起，每个请求每一层的输出与它单独前向时逐位相同，之后的状态也是。单独前向时 DeltaNet 层整层
     一次 layer.cpp 的调用，拼在一起时逐个运算地调用同样的内核：两者也逐位相同。"""
     from qwen.attention import AttentionState
     from qwen.cache import copy_state, keep_history
+    from qwen.fast.share import layer_many
 
     model, lengths = load_model(tiny[0], dtype=dtype, quantize=quantize), [1, 3, 7, 1]
     assert all(layer.block is not None for layer in model.layers)  # 单独前向走 layer.cpp
@@ -75,7 +76,7 @@ def test_layers_of_several_requests_at_once_equal_each_alone(tiny, dtype, quanti
         xs = [model.embed_tokens(prompt(model.cfg.vocab_size, T, seed=10 + i)).float() for i, T in enumerate(lengths)]
         tables = [model.rope(torch.arange(state.pos, state.pos + T)) for state, T in zip(states, lengths)]
         for j, layer in enumerate(model.layers):
-            many = layer.forward_many([(x, *t, state.layers[j]) for x, t, state in zip(xs, tables, states)])
+            many = layer_many(layer, [(x, *t, state.layers[j]) for x, t, state in zip(xs, tables, states)])
             solo = [layer(x, *t, state.layers[j]) for x, t, state in zip(xs, tables, alone)]
             assert all(torch.equal(a, b) for a, b in zip(many, solo)), f"第 {j} 层"
             for a, b in zip(states, alone):

@@ -50,12 +50,12 @@ def test_concurrent_streams_equal_their_solo_answers(served):
 
 @pytest.mark.parametrize("quantize, blocks", [(None, torch.bfloat16), ("int8", torch.int8), ("int4", torch.uint8)])
 def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
-    """服务的共用行（RowBatcher + forward_many）在 bfloat16、int8 与 int4 上也与每个请求单独运行时逐 token 相同：普通解码与
+    """服务的共用行（RowBatcher + qwen/fast/share.py 的 layer_many）在 bfloat16、int8 与 int4 上也与每个请求单独运行时逐 token 相同：普通解码与
     投机解码（验证的 k+1 行与别人的行一起乘）都是。4 个线程先都进了对齐再开始，所以每一步都确定地拼在一起。
     草稿由“知道答案”的草稿器给（真的草稿头照样起草，以 0.6 的概率换成对的）：草稿常被接受，接受后的提交也在共用的行上走到。"""
     from qwen.bench import OracleDrafter
     from qwen.mtp import speculate
-    from qwen.serve.batcher import share_rows
+    from qwen.serve.batcher import row_batcher
 
     model = load_model(lively[0], dtype=torch.bfloat16, quantize=quantize)
     assert model.layers[0].mlp.down_proj.blocks.dtype == blocks
@@ -74,7 +74,7 @@ def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
     alone = {name: [run(i) for i in range(len(prompts))] for name, run in runs.items()}
     assert alone["mtp"] == alone["plain"] and all(h > 0 for h in hits)  # 单独时：接受了草稿，输出仍是贪心的
     assert all(len(set(tokens)) >= 8 for tokens in alone["plain"])  # 贪心的输出真的在变，不是一个 token 重复
-    batcher = share_rows(model, mtp)
+    batcher = row_batcher(model, mtp)
     for name, run in runs.items():
         out, gate = [None] * len(prompts), threading.Barrier(len(prompts))
 
@@ -94,6 +94,31 @@ def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
         assert batcher.jobs - jobs >= batcher.calls - calls + 3  # 至少第一步是 4 个请求一起算的
 
 
+def test_two_engines_share_one_model_and_leave_it_as_it_was(lively):
+    """引擎不改动模型：拼行的约定在 qwen/fast/share.py，请求线程在 batcher.member() 之内时前向自己来问它的 RowBatcher
+    （线程之外照默认的 ALONE 自己算）。所以同一个模型同时给两个引擎用，各自的请求都与 generate 相同，模型与草稿头每个
+    模块的属性在前后是同样的对象。"""
+    from qwen.fast.share import ALONE, current
+    from qwen.serve import Engine, Request
+
+    model = load_model(lively[0], dtype=torch.bfloat16)
+    mtp = load_draft(model)
+
+    def attributes():
+        modules = [*model.named_modules(prefix="model"), *mtp.named_modules(prefix="mtp")]
+        return {(name, key): id(value) for name, m in modules for key, value in vars(m).items()}
+
+    before = attributes()
+    engines = [Engine(model, mtp, slots=2, cache_mb=8) for _ in range(2)]
+    assert engines[0].batcher is not engines[1].batcher and current() is ALONE
+    chat = Chat(model)
+    prompts = [chat.encode(chat.prompt([{"role": "user", "content": q}])) for q in QUESTIONS[:4]]
+    requests = [engines[i % 2].submit(Request(p[0].tolist(), 12, list(chat.stop))) for i, p in enumerate(prompts)]
+    assert [list(r.events(timeout=120)) for r in requests] == [generate(model, p, 12, chat.stop) for p in prompts]
+    assert all(e.batcher.calls > 0 for e in engines)  # 两个引擎的请求都经过了各自的 RowBatcher
+    assert attributes() == before and current() is ALONE
+
+
 def test_a_long_prompt_is_read_in_its_own_short_lived_team():
     """对齐之外读长提示词（engine.in_own_team）：在另一个线程里、用给定的 OpenMP 线程数跑，返回它的值、抛它的异常，
     线程结束（它的一队帮手随之没了），调用的线程的设置不变——请求线程自己一直是一个线程，不开自己的一队。"""
@@ -111,15 +136,14 @@ def test_a_long_prompt_is_read_in_its_own_short_lived_team():
 def test_the_rows_thread_keeps_its_threads_when_requests_use_one():
     """请求线程设成一个 OpenMP 线程（use_threads(1)）之后，RowBatcher 的线程算的时候仍用建它的线程的线程数：
     torch.set_num_threads 另有一个全进程的数，线程第一次并行时照它初始化，曾把 RowBatcher 的线程也变成了一个线程。"""
-    from qwen.fast.linear import load_matvec
-    from qwen.serve.batcher import RowBatcher, Waiting, use_threads
+    from qwen.serve.batcher import Job, RowBatcher, use_threads
 
-    batcher, seen = RowBatcher(load_matvec()), []
+    batcher, seen = RowBatcher(), []
 
     def request():
         use_threads(1)
         with batcher.member():
-            seen.append(batcher.wait(Waiting("key", lambda args: [torch.get_num_threads() for _ in args], None)))
+            seen.append(batcher.wait(Job("key", lambda key, args: [torch.get_num_threads() for _ in args], None)))
         seen.append(torch.get_num_threads())
 
     worker = threading.Thread(target=request)

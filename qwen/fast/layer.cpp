@@ -7,7 +7,7 @@
 //     attention_layer：同上，混合器换成注意力（attention.cpp，KV 缓存由调用的人留够位置）
 // 里面调用的正是 matvec.cpp、deltanet.cpp、norm.cpp 的入口，每一步的舍入与 Python 里一个运算一个运算地调用它们时相同：
 // 归一化之后转成模型的 dtype（bfloat16 就近舍入到偶数，与 .to(torch.bfloat16) 相同），矩阵乘法的结果是模型的 dtype，
-// 残差流是 float32。所以服务时几个请求拼在一起的 forward_many（layers.py，逐个运算地调用这些内核）与单独解码的这一串
+// 残差流是 float32。所以服务时几个请求拼在一起的 layer_many（share.py，逐个运算地调用这些内核）与单独解码的这一串
 // 逐位相同；每一行各算各的，验证的行与单独解码的行也逐位相同（第 14 章）。
 // 激活在 PyTorch 里是 F.silu(g) * u：bfloat16 时先把 silu 舍入成 bfloat16、再乘、再舍入，这里照做（exp 是下面的多项式，
 // 与 PyTorch 的向量化 exp 可能差一点舍入：所以行数多的预填充照旧用 PyTorch，行数少的这几条路径都用这里的，见 layers.py）。
@@ -198,7 +198,7 @@ void mixer_out(const Layer& p, const float* x, const std::vector<float>& o, int6
 
 extern "C" {
 
-// 一层的 MLP 那一半（混合器在 Python 里走时——没有缓存、左填充、服务时拼在一起的 forward_many——之后调用这个）：
+// 一层的 MLP 那一半（混合器在 Python 里走时——没有缓存、左填充、服务时拼在一起的 layer_many——之后调用这个）：
 // x [M, hidden] float32 → out（可以就是 x）
 void mlp_block(const Layer* p, const float* x, float* out, int64_t M) { mlp_half(*p, x, M, out); }
 

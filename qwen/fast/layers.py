@@ -9,10 +9,9 @@
   编译的图里，KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）；
 - gates、rope：不编译时验证几个草稿的 β、g 与 RoPE 表逐行算（row_by_row）；
 - RMSNorm：1 + w 算好一次，有 C++ 内核时一次调用算完（FastRMSNorm，norm.cpp）；
-- 服务时（qwen/serve）几个请求的同一层一次算完：FastDecoderLayer.forward_many（step.py 的 FastModel.layers_many
-  逐层调用），拼起来的行只读一遍权重；
+- 几个请求（服务时）、几行（左填充的批处理）的同一层一次算完：share.py 的 layer_many，拼起来的行只读一遍权重；
 - 分块布局（不编译图）上不多于 STEP_ROWS 个 token 时一层一次 C 调用（layer.cpp、attention.cpp：layer_params 填好一层的
-  常量）：forward_many 逐个运算地调用同样的内核，两者逐位相同。
+  常量）：share.py 的 layer_many 逐个运算地调用同样的内核，两者逐位相同。
 验证时逐个位置的这些写法，都是为了让每一行与单独解码那个 token 时逐位相同（第 14 章）。
 """
 
@@ -29,6 +28,7 @@ from ..model import Model
 from .kernel import LayerParams, Lin
 from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
+from .share import can_share, current, layer_many
 from .sizes import COMPILED_PIECE, DECODE_LENGTHS, GROUPED_FROM, STEP_ROWS, VERIFY_ROWS  # noqa: F401  别处从这里取
 
 # 一次前向有几个 token 时走哪条路（DECODE_LENGTHS、VERIFY_ROWS、STEP_ROWS、GROUPED_FROM、COMPILED_PIECE）：sizes.py 的表。
@@ -165,7 +165,7 @@ class FastAttention(Attention):
 
     def whole_layer(self, layer, x, cos, sin, state):
         """整个解码层（归一化、qkv、这一段、o_proj、残差，再加上 MLP 那一半）一次 layer.cpp 的调用：x [B, T, hidden]
-        float32 → 这一层的输出。与 forward_many 逐个运算地调用同样的内核逐位相同。"""
+        float32 → 这一层的输出。与 share.py 的 layer_many 逐个运算地调用同样的内核逐位相同。"""
         return self.in_cache(x.shape, state, lambda: self.qkv.kernel.attention_layer(layer.block, x, cos, sin, state))
 
     def in_cache(self, shape, state, run):
@@ -216,7 +216,7 @@ class FastDeltaNet(GatedDeltaNet):
 
     def whole_layer(self, layer, x, state):
         """整个解码层（归一化、in_proj、这一段、out_proj、残差，再加上 MLP 那一半）一次 layer.cpp 的调用：x [B, T, hidden]
-        float32 → 这一层的输出。与 forward_many 逐个运算地调用同样的内核逐位相同。"""
+        float32 → 这一层的输出。与 share.py 的 layer_many 逐个运算地调用同样的内核逐位相同。"""
         B, T, _ = x.shape
         past, S, history = self.step_state(state, B, T)
         proj = torch.empty(B, T, self.in_proj.out_features) if state.keep_history else None
@@ -270,7 +270,6 @@ class PackedModel(PaddedRows, Model):
 
 
 class FastDecoderLayer(DecoderLayer):
-    rows = None  # 服务时（qwen/serve/batcher.py 的 RowBatcher）：几个请求的同一层拼成一次 forward_many
     block = None  # 分块布局、不编译图时：layer.cpp 要的这一层的常量（layer_params 填的 LayerParams）
 
     @property
@@ -283,8 +282,8 @@ class FastDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, state=None, valid=None):
         """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导）且有 layer.cpp 的常量时：有缓存、没有左填充就整层
         一次 C 调用（两种混合器的 whole_layer），否则混合器照第 9 章、MLP 那一半一次 C 调用（mlp_block）；其余照第 9 章。"""
-        if self.rows is not None and self.rows.joined() and self.can_share(x, state, valid):
-            return self.rows.layer(self, x, cos, sin, state)
+        if can_share(x, state, valid) and (partner := current()).shares:  # 服务时草稿头的一层：与别的请求拼（share.py）
+            return partner.share(self, layer_many, (x, cos, sin, state))
         if self.block is None or x.shape[1] > STEP_ROWS or torch.is_grad_enabled():
             return super().forward(x, cos, sin, state, valid)
         if self.layer_type == "linear_attention" and state is not None and valid is None:
@@ -293,49 +292,6 @@ class FastDecoderLayer(DecoderLayer):
             return self.self_attn.whole_layer(self, x, cos, sin, state)
         x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
         return self.mlp.down_proj.kernel.mlp_block(self.block, x)
-
-    def can_share(self, x, state, valid) -> bool:
-        """这一层的这次前向能不能与别的请求拼在一起（forward_many）：一个序列、不多于 STEP_ROWS 个 token（DeltaNet 层走
-        C++ 的逐位置一步）、带状态、没有左填充、不求导。rows 只挂在分块布局的层上（share_rows）。"""
-        return x.shape[0] == 1 and x.shape[1] <= STEP_ROWS and state is not None and valid is None \
-            and not torch.is_grad_enabled()
-
-    def forward_many(self, parts):
-        """几个请求的这一层一次算完：parts 是各自的 (x [1, T_i, hidden]，cos，sin，本层的状态)，返回各自的输出。
-        范数、矩阵乘法（C++，每行各用各的累加器）与残差对拼起来的 ΣT_i 行只算一次——权重只读一遍；混合器的中间一段
-        （mix：各用各的状态）与 MLP 的激活（有 exp）逐个请求地算，张量与它单独运行时形状相同。所以每个请求的输出与它
-        单独前向（forward）时逐位相同，与同时算几个请求、谁在前谁在后无关。"""
-        sizes = [p[0].shape[1] for p in parts]
-        x = join([p[0] for p in parts])  # [1, ΣT, hidden]
-        h = self.input_layernorm(x).to(self.dtype)
-        if self.layer_type == "linear_attention":
-            mixer, out_proj = self.linear_attn, self.linear_attn.out_proj
-            proj = apart(mixer.in_proj.matvec(h).float(), sizes)  # 各 [1, T_i, ·]
-            outs = [mixer.mix(p.contiguous(), state) for p, (_, _, _, state) in zip(proj, parts)]
-        else:
-            mixer, out_proj = self.self_attn, self.self_attn.o_proj
-            qkv = apart(mixer.qkv.matvec(h), sizes)
-            outs = [mixer.step(self.block, y, cos, sin, state) if self.block is not None and self.block.H
-                    and mixer.can_step(state, None)
-                    else mixer.mix(*y.split(mixer.qkv_sizes, dim=-1), cos, sin, state)
-                    for y, (_, cos, sin, state) in zip(qkv, parts)]
-        x = x + out_proj.matvec(join(outs).to(self.dtype)).float()
-        if self.block is not None:  # 与 forward 里的同一个 C 调用，每行各算各的
-            return apart(self.mlp.down_proj.kernel.mlp_block(self.block, x), sizes)
-        gate_up = apart(self.mlp.gate_up.matvec(self.post_attention_layernorm(x).to(self.dtype)), sizes)
-        act = join([self.mlp.act(y) for y in gate_up])  # [1, ΣT, intermediate]
-        x = x + self.mlp.down_proj.matvec(act).float()
-        return apart(x, sizes)
-
-
-def join(parts: list) -> torch.Tensor:
-    """几个请求的 [1, T_i, ·] 沿 token 维拼起来；只有一个请求时就是它（解码一个请求时每层少几次复制与分派）。"""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
-def apart(x: torch.Tensor, sizes: list) -> list:
-    """join 的逆：[1, ΣT_i, ·] 按各请求的 T_i 切开。"""
-    return [x] if len(sizes) == 1 else list(x.split(sizes, dim=1))
 
 
 def fuse(module, name: str, parts: list[str], kernel, quantize=None, dtype=None) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import kernel as kernels
 from .sizes import BLOCK, KERNEL_ROWS, PAD_ROWS, QGROUP  # 各管什么：sizes.py 的表
+from .share import current
 from .records import read_record, record_file, write_record  # 也从这里导出（qwen.fast、测试从 .linear 引用它们）
 
 # 编译的图（step.py 的整步、草稿头）生成的 C++ 里不把乘、加合成 FMA：合不合成由编译器对每段代码各自决定，同一行在
@@ -258,10 +259,15 @@ class BlockedLinear(nn.Module):
         return self.kernel.amx and kind and self.in_features % 32 == 0 and x2.dtype == torch.bfloat16
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        """不论几行都用 C++ 的 matvec 乘：每一行的结果与同时乘几行无关（服务时拼起来的几个请求的行要这样，见 qwen/serve）。
-        整步编译的图里用注册的算子，图外直接调用 kernel（少一层分派）。"""
-        mv = torch.ops.qwen_fast.matvec if torch.compiler.is_compiling() else self.kernel.matvec
-        y = mv(x.reshape(-1, x.shape[-1]), self.blocks, self.scales)[:, : self.out_features]  # 去掉补的零列
+        """不论几行都用 C++ 的 matvec 乘：每一行的结果与同时乘几行无关（拼起来的几个请求的行要这样，见 share.py）。
+        整步编译的图里用注册的算子；图外问这个线程和谁一起算（share.py 的 current：默认自己调用 kernel，服务时输出头、
+        草稿头的 fc 这些层外的矩阵与别的请求拼行）。"""
+        x2 = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            y = torch.ops.qwen_fast.matvec(x2, self.blocks, self.scales)
+        else:
+            y = current().matvec(self.kernel, x2, self.blocks, self.scales)
+        y = y[:, : self.out_features]  # 去掉补的零列
         return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], -1)
 
 

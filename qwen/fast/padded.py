@@ -3,11 +3,11 @@
 第 13 章把几个提示词左填充成 [B, T]，用掩码让填充位置“不存在”：数学上每行与单独运行相同，浮点上却不同——填充改变了
 分块形式的块界、矩阵乘法的行数与注意力求和的长度，bfloat16 下差一个舍入就可能换掉一个贪心 token。快路径上一行必须与
 它单独运行逐位相同（第 14 章对验证的行许下的承诺，对批处理的行也一样），所以这里不算填充过的张量。每行有自己的 State
-（挂在左填充的 State 的 rows 上，那个 State 只是外壳，记着 pos 与 valid）：
+（挂在左填充的 State 的 row_states 上，那个 State 只是外壳，记着 pos 与 valid）：
 - 预填充：每行只读自己的真实 token；
-- 之后每一步：分块布局（不编译图）上几行的全部层一次算完（FastModel.layers_many，与服务时拼在一起的请求一样：权重只读
-  一遍，每行与它单独前向逐位相同）；一行的 token 多于一层能拼的（FastDecoderLayer.can_share）、或别的布局（打包的、编译
-  成图的），那一行就单独调用 hidden，与单独运行是同一个调用；
+- 之后每一步：分块布局（不编译图）上几行的全部层一次算完（share.py 的 layers_many，与服务时拼在一起的请求是同一段
+  代码：权重只读一遍，每行与它单独前向逐位相同）；一行的 token 多于一层能拼的（share.py 的 can_share）、或别的布局（打包的、
+  编译成图的），那一行就单独调用 hidden，与单独运行是同一个调用；
 - 输出头：分块布局的 matvec 每行各用各的累加器，几行一起乘；打包的布局一行一行地乘。
 """
 
@@ -15,6 +15,7 @@ import torch
 
 from ..cache import State
 from .linear import BlockedLinear
+from .share import can_join, can_share, layers_many
 
 
 class PaddedRows:
@@ -37,15 +38,15 @@ def padded_hidden(model, ids, state, images=None) -> torch.Tensor:
     填充的位置是 0（没有人读它们）。images：每行的图（第 15 章的 Images 或 None）。"""
     ids = model.check_ids(ids, state)
     B, T = ids.shape
-    if getattr(state, "rows", None) is None:
-        state.rows = [State(model) for _ in range(B)]  # 每行自己的状态
+    if getattr(state, "row_states", None) is None:
+        state.row_states = [State(model) for _ in range(B)]  # 每行自己的状态
     real = state.extend_valid(T)[:, state.pos :]  # [B, T]：这次的 T 个位置里哪些是真实 token（左填充：总在末尾）
     state.pos += T
     todo = [(b, ids[b : b + 1, T - int(n) :]) for b, n in enumerate(real.sum(1).tolist()) if n]
     if not todo:
         raise ValueError("左填充的 valid 里这几个位置全是填充：每个提示词至少要有一个真实 token")
     images = list(images) if images is not None else [None] * B
-    outs = hidden_many(model, [(x, state.rows[b], images[b]) for b, x in todo])
+    outs = hidden_many(model, [(x, state.row_states[b], images[b]) for b, x in todo])
     h = outs[0].new_zeros(B, T, outs[0].shape[-1])
     for (b, x), out in zip(todo, outs):
         h[b, T - x.shape[1] :] = out[0]
@@ -55,17 +56,17 @@ def padded_hidden(model, ids, state, images=None) -> torch.Tensor:
 def hidden_many(model, rows) -> list[torch.Tensor]:
     """rows：[(ids [1, T_i], State, 图或 None)] → 各自的 hidden [1, T_i, hidden]，与 model.hidden(ids, state, 图) 逐位相同。
     能拼的几行（分块布局、不编译图、一层拼得下、没有图）的全部层一次算完；其余一行一行地调用 model.hidden。"""
-    can_join = hasattr(model, "layers_many") and not model.step_lengths
+    joins = can_join(model)
     joined, out = [], [None] * len(rows)
     for i, (ids, state, images) in enumerate(rows):
         x = model.embed_tokens(ids)  # [1, T_i, hidden]，权重的 dtype（同第 10 章的 hidden）
-        if can_join and images is None and model.layers[0].can_share(x, state, None):
+        if joins and images is None and can_share(x, state, None):
             cos, sin = model.rope(model.positions(ids.shape[1], state, ids.device))
             joined.append((i, (x.float(), cos, sin, state), x.dtype))
         else:
             out[i] = model.hidden(ids, state, images)
     if joined:
-        xs = model.layers_many([part for _, part, _ in joined])
+        xs = layers_many(model, [part for _, part, _ in joined])
         for (i, (_, _, _, state), dtype), x in zip(joined, xs):
             state.pos += x.shape[1]
             out[i] = model.norm(x).to(dtype)

@@ -22,6 +22,7 @@ from ..layer import DecoderLayer
 from ..rope import rope_tables
 from .layers import FastDecoderLayer, FastDeltaNet, FastRMSNorm, PackedModel
 from .linear import STEP_OPTIONS
+from .share import can_share, current, layers_many
 
 
 @torch.compiler.nested_compile_region
@@ -60,7 +61,6 @@ class FastModel(PackedModel):
     其余（以及不编译时）照第 10 章，RoPE 表逐个位置地算（PackedModel）。"""
 
     step_lengths = ()  # 哪些 token 数走编译的一步（没编译时没有）
-    rows = None  # 服务时（qwen/serve/batcher.py 的 RowBatcher）：几个请求的全部解码层一次算完（layers_many）
 
     def compile_steps(self, lengths) -> None:
         self.step_lengths = tuple(lengths)
@@ -86,19 +86,11 @@ class FastModel(PackedModel):
         return self.norm(x)
 
     def run_layers(self, x, cos, sin, state=None, valid=None):
-        """服务时能与别的请求拼在一起的一次前向（FastDecoderLayer.can_share）交给 RowBatcher：它的线程把这时在等的几个
-        请求的全部解码层一次算完（layers_many）。"""
-        if self.rows is not None and self.rows.joined() and self.layers[0].can_share(x, state, valid):
-            return self.rows.model(self, x, cos, sin, state)
+        """服务时能与别的请求拼在一起的一次前向（share.py 的 can_share）：全部解码层是一件事，交给这个线程的伙伴
+        （RowBatcher：它的线程把这时在等的几个请求的全部层一次算完，layers_many）。默认（ALONE）照 PackedModel 自己算。"""
+        if can_share(x, state, valid) and (partner := current()).shares:
+            return partner.share(self, layers_many, (x, cos, sin, state))
         return super().run_layers(x, cos, sin, state, valid)
-
-    def layers_many(self, parts):
-        """几个请求的全部解码层：parts 是各自的 (x [1, T_i, hidden]，cos，sin，State)，返回各自的输出。逐层对所有请求
-        调用一次 FastDecoderLayer.forward_many：每一层里每个请求的输出与它单独前向时逐位相同，全部层也就如此。"""
-        xs = [x for x, _, _, _ in parts]
-        for i, layer in enumerate(self.layers):
-            xs = layer.forward_many([(x, cos, sin, state.layers[i]) for x, (_, cos, sin, state) in zip(xs, parts)])
-        return xs
 
     def hidden(self, ids, state=None, images=None):
         ids = self.check_ids(ids, state)

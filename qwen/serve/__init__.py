@@ -9,7 +9,7 @@
     python -m qwen serve --model demo        # 然后：curl http://127.0.0.1:8000/v1/chat/completions ...
 """
 
-from .batcher import RowBatcher, share_rows
+from .batcher import RowBatcher, row_batcher
 from .engine import Closed, Engine, Request
 
-__all__ = ["Closed", "Engine", "Request", "RowBatcher", "share_rows"]
+__all__ = ["Closed", "Engine", "Request", "RowBatcher", "row_batcher"]

@@ -6,9 +6,10 @@ CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）�
 我们要它不改变任何一个请求的输出：一个请求与别的请求一起算时，每个 token 都与它单独运行时逐位相同。做法是：
 - 每个请求在自己的线程里跑单个请求的代码（第 12 章的 stream、第 14 章的 stream_mtp），用自己的 State；
 - 线程走到主模型的解码层（全部 24 层是一件事：FastModel.run_layers）、草稿头的解码层，或层外的一个矩阵乘法（输出头、
-  草稿头的 fc 与起草词表）时，把这一件事交给 RowBatcher 等着；所有线程都在等时，RowBatcher 自己的线程（step，调度的
-  一步）把同一件事的几份一次算完（附录 qwen/fast 的 FastModel.layers_many 逐层调用 FastDecoderLayer.forward_many），
-  算完按请求分回去。一层之内范数与矩阵乘法对拼起来的行算一次（C++ 的内核每行各算各的，结果与一次算几行无关：投机解码
+  草稿头的 fc 与起草词表）时，问这个线程和谁一起算（附录 qwen/fast/share.py 的约定：默认自己算）。请求线程在
+  `with batcher.member():` 之内，回答是 RowBatcher：把这一件事交给它（share）等着；所有线程都在等时，RowBatcher 自己的
+  线程（step，调度的一步）把同一件事的几份一次算完（share.py 的 layers_many 逐层调用 layer_many），算完按请求分回去。
+  模型不被改动：约定是 fast/ 的，RowBatcher 只是它的一种回答。一层之内范数与矩阵乘法对拼起来的行算一次（C++ 的内核每行各算各的，结果与一次算几行无关：投机解码
   验证的行与单独解码的行逐位相同，靠的也是这一点），各请求的状态（注意力的缓存、DeltaNet 的记忆）各算各的；
 - 一步（step）算哪一件、什么时候算，是 schedule.py 的事：参与者都在等时，前向顺序里最靠前的那一件。
 
@@ -23,9 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..fast.layers import FastDecoderLayer
-from ..fast.linear import BlockedLinear
-from ..fast.step import FastModel
+from ..fast.share import can_join, matvecs, sharing
 from .schedule import everyone_waits, forward_order, next_jobs
 
 
@@ -37,13 +36,13 @@ def use_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-class Waiting:
+class Job:
     """一个线程交上来、等着算的一件事：key 是哪个矩阵（它的 blocks）、哪一层或哪个模型的全部层，args 是输入；
-    run 把同一个 key 的几件事的输入（列表）一次算完，返回各自的结果；结果放进 out。"""
+    many(key, [args, …]) 把同一个 key 的几件事一次算完，返回各自的结果；结果放进 out。"""
 
-    def __init__(self, key, run, args):
+    def __init__(self, key, many, args):
         self.key = key
-        self.run = run
+        self.many = many
         self.args = args
         self.out = None
         self.error = None
@@ -52,19 +51,20 @@ class Waiting:
 
 class RowBatcher:
     """让参与的线程（member 之内）的解码层与层外的 matvec 对齐：所有参与者都在等时，同一层（或同一个矩阵）的几件事
-    由 RowBatcher 自己的一个线程一次算完（loop 一步一步地走：step）。matvec 的接口与 qwen/fast 的 Kernel.matvec 相同，
-    换进 BlockedLinear 就行；解码层由 FastDecoderLayer.rows 交过来（layer）。模型代码一行不改。
+    由 RowBatcher 自己的一个线程一次算完（loop 一步一步地走：step）。它回答 qwen/fast/share.py 的约定（shares、share、
+    matvec，与默认的 ALONE 同样的三样）；order：id(模型、层或矩阵的 blocks) → 它在前向里的先后（forward_order）。
 
     总由同一个线程来算：C++ 内核与 PyTorch 的多线程（OpenMP）每个发起的线程各有一队帮手线程，算完还要空转一会儿等下一件；
     谁最后到谁来算的话，几个请求线程的几队帮手在两个核上互相抢。"""
 
-    def __init__(self, kernel, order=None):
-        self.kernel = kernel
+    shares = True
+
+    def __init__(self, order=None):
         self.order = order or {}  # id(blocks 或层) → 它在前向里的先后（越小越先算）
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)  # 参与者都在等了：叫醒 step
         self.members = set()  # 参与对齐的线程
-        self.waiting = []  # 正在等的 Waiting，每个参与者至多一个
+        self.waiting = []  # 正在等的 Job，每个参与者至多一个
         self.calls = 0  # 统计：算了几次
         self.jobs = 0  # 这几次一共算了几件事（几个请求的）
         # OpenMP 的线程数是每个线程各自的设定：照创建它的线程（torch.set_num_threads 设过的）来
@@ -72,48 +72,29 @@ class RowBatcher:
 
     @contextmanager
     def member(self):
-        """这个线程之内的解码层与 matvec 都参与对齐。"""
+        """这个线程之内的前向都问 RowBatcher（share.py 的 sharing），它也算进参与对齐的线程。"""
         me = threading.get_ident()
         with self.lock:
             self.members.add(me)
         try:
-            yield
+            with sharing(self):
+                yield
         finally:
             with self.lock:
                 self.members.discard(me)
                 self.ready.notify()  # 少了一个参与者：别人可能都在等了
 
-    def joined(self) -> bool:
-        """调用的线程在不在对齐里。"""
-        return threading.get_ident() in self.members
+    def share(self, key, many, args):
+        """参与对齐的线程交上一件事（主模型的全部层、草稿头的一层、层外的一个矩阵），等 step 把它与别人的同一件一起算完。"""
+        return self.wait(Job(key, many, args))
 
-    def matvec(self, x, blocks, scales):
-        if not self.joined():  # 不参与的线程（比如加载、预热、对齐之外的长提示词）：直接算
-            return self.kernel.matvec(x, blocks, scales)
-        return self.wait(Waiting(blocks, self.matvecs, (x, blocks, scales)))
+    def matvec(self, kernel, x, blocks, scales):
+        """层外的矩阵（在 order 里：输出头、草稿头的 fc、起草词表）与别的请求拼行；层里的（这一层没能拼时）照常乘。"""
+        if id(blocks) not in self.order:
+            return kernel.matvec(x, blocks, scales)
+        return self.share(blocks, matvecs, (kernel, x, blocks, scales))
 
-    @property
-    def amx(self) -> bool:  # 长的预填充（多于 KERNEL_ROWS 行）不拼：照内核的来（linear.py 的 BlockedLinear.amx_rows）
-        return self.kernel.amx
-
-    def gemm(self, x, blocks, scales=None):
-        return self.kernel.gemm(x, blocks, scales)
-
-    def matvecs(self, args: list) -> list:
-        """同一个矩阵乘几个请求的行：拼起来乘一次，再按请求切开。"""
-        x = args[0][0] if len(args) == 1 else torch.cat([a[0] for a in args])  # [ΣM, in]
-        y = self.kernel.matvec(x, args[0][1], args[0][2])  # [ΣM, out]
-        return y.split([a[0].shape[0] for a in args])
-
-    def model(self, model, x, cos, sin, state):
-        """参与对齐的线程的全部解码层（FastModel.run_layers 交过来，它已确认这一次能拼：can_share）。"""
-        return self.wait(Waiting(model, model.layers_many, (x, cos, sin, state)))
-
-    def layer(self, layer, x, cos, sin, state):
-        """参与对齐的线程的一层（草稿头的解码层：FastDecoderLayer.forward 交过来，同样已确认能拼）。"""
-        return self.wait(Waiting(layer, layer.forward_many, (x, cos, sin, state)))
-
-    def wait(self, job: Waiting):
+    def wait(self, job: Job):
         with self.lock:
             self.waiting.append(job)
             self.ready.notify()
@@ -137,7 +118,7 @@ class RowBatcher:
             self.waiting = [j for j in self.waiting if j.key is not jobs[0].key]
         try:
             with torch.inference_mode():
-                outs = jobs[0].run([j.args for j in jobs])
+                outs = jobs[0].many(jobs[0].key, [j.args for j in jobs])
             for job, out in zip(jobs, outs):
                 job.out = out
             self.calls += 1
@@ -149,25 +130,11 @@ class RowBatcher:
             job.done.set()
 
 
-def share_rows(*models) -> RowBatcher | None:
-    """让模型（和草稿头）的解码层与层外的矩阵都经过同一个 RowBatcher；没有分块布局（打包的路径、普通模型）时返回 None：
-    那时各请求照样各算各的，只是不共用读权重。"""
-    models = [m for m in models if m is not None]
-    layers = [layer for m in models for layer in m.layers
-              if isinstance(layer, FastDecoderLayer) and isinstance(layer.mlp.down_proj, BlockedLinear)]
-    if not layers:
+def row_batcher(model, mtp=None) -> RowBatcher | None:
+    """服务这个模型（和草稿头）的 RowBatcher；没有分块布局（打包的路径、普通模型）时 None：那时各请求照样各算各的，
+    只是不共用读权重。模型不被改动：请求线程在 member() 之内时，它的前向自己来问（qwen/fast/share.py）。"""
+    if not hasattr(model.layers[0].mlp.down_proj, "blocks"):
         return None
-    if any(getattr(model, "step_lengths", None) for model in models):
+    if not can_join(model):
         raise ValueError("服务用默认的分块布局（不编译图）：编译的图里 matvec 是图的一部分，没法在请求之间对齐")
-    batcher = layers[0].rows or RowBatcher(layers[0].mlp.down_proj.kernel)
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    outside = [m for model in models for m in model.modules() if isinstance(m, BlockedLinear) and id(m) not in inside]
-    for layer in layers:  # 主模型的层由模型整个交过来（FastModel.run_layers）；草稿头的层一层一层地交
-        layer.rows = batcher
-    for model in models:
-        if isinstance(model, FastModel):
-            model.rows = batcher
-    for m in outside:  # 输出头、起草词表的那几行、草稿头的 fc：这些矩阵乘法本身在线程之间对齐
-        m.kernel = batcher
-    batcher.order = forward_order(models)  # 草稿头的在前（schedule.py）
-    return batcher
+    return RowBatcher(forward_order([m for m in (model, mtp) if m is not None]))

@@ -26,7 +26,7 @@ from ..conversation import Resume
 from ..logprobs import prompt_logprobs
 from ..mtp import SpecResult
 from ..sample import Sampling
-from .batcher import share_rows, use_threads
+from .batcher import row_batcher, use_threads
 from .prefix import PrefixCache
 from .schedule import PROMPT_PIECE, batched_draft_cost, last_piece, pieces, reads_apart
 
@@ -81,7 +81,7 @@ class Engine:
     def __init__(self, model, mtp=None, slots: int = 8, cache_mb: int = 512, piece: int = PROMPT_PIECE):
         self.model = model
         self.mtp = mtp
-        self.batcher = share_rows(model, mtp)
+        self.batcher = row_batcher(model, mtp)  # 不改动模型：请求线程在 batcher.member() 之内时前向自己来问
         self.threads = torch.get_num_threads()  # 对齐之外读长提示词时用几个 OpenMP 线程（与 RowBatcher 的线程一样）
         self.piece = piece  # 提示词按这么多个 token 一段读（schedule.py）
         self.slots = slots

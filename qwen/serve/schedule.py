@@ -10,7 +10,7 @@
   的话，只要别的请求还在一个接一个 token 地解码（总在主模型那里等着），起草的请求就一直轮不到。
 谁加入：正在生成的请求（Engine 的 slots 个位置，多的按先来后到排队）解码时都在对齐里。提示词多于 STEP_ROWS 个 token 的
 请求先在对齐之外读（reads_apart），读完再加入：一次前向多于 STEP_ROWS 个 token 时本来就拼不进一步（与 qwen/fast 的
-FastDecoderLayer.can_share 是同一个数），在对齐里读的话，别的请求每一步都得等它那一大段矩阵乘法。
+fast/share.py 的 can_share 是同一个数），在对齐里读的话，别的请求每一步都得等它那一大段矩阵乘法。
 提示词按 PROMPT_PIECE 个 token 一段读（pieces）：段与段之间看一次请求取消了没有。
 """
 
@@ -71,4 +71,4 @@ def forward_steps(model) -> list:
     if isinstance(model, FastModel):
         return [model, model.lm_head]
     out = [getattr(model, "fc", None), *model.layers, getattr(model, "draft_head", None)]
-    return [m for m in out if m is not None and (hasattr(m, "blocks") or hasattr(m, "forward_many"))]
+    return [m for m in out if m is not None]
