@@ -59,81 +59,124 @@ void l2norm(float* x, int64_t D, float scale) {
 
 }  // namespace
 
-extern "C" {
+// 一个 DeltaNet 层的常量与形状（kernel.py 的 DeltaNetParams，layers.py 换布局时填一次；layer.cpp 的 Layer 里也有一份）
+struct DeltaNet {
+  const float *conv_w, *neg_A, *dt_bias, *norm_w;  // 卷积核 [K, C]、−exp(A_log) [Hv]、dt_bias [Hv]、门控 RMSNorm 的权重 [Dv]
+  float eps;                                       // 门控 RMSNorm 的 eps
+  int64_t Hk, Hv, Dk, Dv, K;                       // 键头、值头、各自的维数、卷积核长
+};
 
-// B 行、各 T 个相继的位置（解码 T = 1；验证草稿、短的提示词 T > 1）。proj：第 b 行第 t 个位置在 proj + b·sb + t·ld，
-// 是 in_proj 的输出（依次是 qkv [C]、z [Hv·Dv]、b [Hv]、a [Hv]），float32。conv [B, K−1, C]：最近 K−1 个 qkv 输入（读）；
-// conv_out 同形状：T 个位置之后的窗口（写）。conv_w [K, C]。neg_A [Hv] = −exp(A_log)；dt_bias [Hv]；norm_w [Dv]：门控
-// RMSNorm 的权重。S [B, Hv, Dk, Dv]：就地更新成最后一个位置之后的记忆。history：空，或 T−1 个 [B, Hv, Dk, Dv] 的缓冲区，
-// 第 t 个写第 t 个位置之后的记忆（投机解码回滚时取用）。out [B, T, Hv·Dv]：门控 RMSNorm 之后、out_proj 之前的输出。
-// 每个位置做的运算与一次只给一个位置时完全一样（同样的求和顺序），所以结果与逐个位置地调用逐位相同；一次给 T 个，
-// 每个头的记忆（64 KB）在缓存里走完 T 步，不必每个位置从内存读一遍、写一遍（记历史时也只多写那几份）。
-void deltanet_step(const float* proj, int64_t sb, int64_t ld, int64_t T, const float* conv, float* conv_out,
-                   const float* conv_w, const float* neg_A, const float* dt_bias, const float* norm_w, float eps, float* S,
-                   float* const* history, float* out, int64_t B, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K) {
-  const int64_t key = Hk * Dk, C = 2 * key + Hv * Dv, BT = B * T;
-  // 第 b 行的第 j 个输入（j < 0 是窗口里的旧输入）
-  auto input = [&](int64_t b, int64_t j) { return j < 0 ? conv + (b * (K - 1) + (K - 1 + j)) * C : proj + b * sb + j * ld; };
-  std::vector<float> y(BT * C);  // 每个位置卷积 + SiLU 之后的 q、k、v
-  const int64_t parts = (C + CONV_PART - 1) / CONV_PART;
+namespace {
+
+// 一次调用的输入：B 行、各 T 个相继的位置。proj 的第 b 行第 t 个位置在 proj + b·sb + t·ld，是 in_proj 的输出（依次是
+// qkv [C]、z [Hv·Dv]、b [Hv]、a [Hv]），float32；conv [B, K−1, C] 是这之前最近 K−1 个 qkv 输入
+struct Input {
+  const float *proj, *conv;
+  int64_t sb, ld, B, T, C, K;
+  const float* at(int64_t b, int64_t j) const {  // 第 b 行第 j 个位置（j < 0：窗口里的旧输入）
+    return j < 0 ? conv + (b * (K - 1) + (K - 1 + j)) * C : proj + b * sb + j * ld;
+  }
+};
+
+// 一、卷积 + SiLU：每个位置的 q、k、v → y [B·T, C]
+std::vector<float> convolve(const DeltaNet& p, const Input& in) {
+  const int64_t BT = in.B * in.T, C = in.C, parts = (C + CONV_PART - 1) / CONV_PART;
+  std::vector<float> y(BT * C);
 #pragma omp parallel for schedule(static) if (BT * C >= 4096)  // 几千个 exp：分给各个线程
   for (int64_t i = 0; i < BT * parts; ++i) {
     const int64_t bt = i / parts, c0 = i % parts * CONV_PART, c1 = std::min(C, c0 + CONV_PART);
     float* yt = y.data() + bt * C;
-    conv_part(proj, sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, yt);
+    conv_part(in.proj, in.sb, in.ld, in.conv, p.conv_w, bt / in.T, bt % in.T, C, p.K, c0, c1, yt);
     for (int64_t c = c0; c < c1; ++c) yt[c] = silu(yt[c]);
   }
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t j = 0; j < K - 1; ++j)  // 窗口往前挪 T 格
-      std::memcpy(conv_out + (b * (K - 1) + j) * C, input(b, T - K + 1 + j), C * sizeof(float));
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < Hk; ++h) {
-        float* yt = y.data() + (b * T + t) * C;
-        l2norm(yt + h * Dk, Dk, 1.0f / std::sqrt(float(Dk)));  // q 还要乘 1/sqrt(Dk)
-        l2norm(yt + key + h * Dk, Dk, 1.0f);
-      }
-  }
-#pragma omp parallel for schedule(static) if (B * Hv * Dk * Dv >= 65536)  // 各头的记忆互不相干，分给各个线程
-  for (int64_t bh = 0; bh < B * Hv; ++bh) {
-    const int64_t b = bh / Hv, h = bh % Hv, hk = h / (Hv / Hk);  // 值头多于键头时，相邻 Hv/Hk 个值头共用一个 q、k 头
-    float* Sh = S + bh * Dk * Dv;  // 这个头的记忆 [Dk, Dv]
-    std::vector<float> pred(Dv), read(Dv), o(Dv);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* x = input(b, t);
-      const float* q = y.data() + (b * T + t) * C + hk * Dk;
-      const float* k = q + key;
-      const float* v = y.data() + (b * T + t) * C + 2 * key + h * Dv;
-      const float beta = sigmoid(x[C + Hv * Dv + h]);  // 写入强度 β
-      const float d = std::exp(neg_A[h] * softplus(x[C + Hv * Dv + Hv + h] + dt_bias[h]));  // 衰减 e^g
-      std::fill(pred.begin(), pred.end(), 0.0f);
-      std::fill(read.begin(), read.end(), 0.0f);
-      float qk = 0.0f;
-      for (int64_t i = 0; i < Dk; ++i) {  // 读一遍旧 S：Sᵀk、Sᵀq
-        const float* row = Sh + i * Dv;
-        qk += q[i] * k[i];
-        for (int64_t j = 0; j < Dv; ++j) {
-          pred[j] += row[j] * k[i];
-          read[j] += row[j] * q[i];
-        }
-      }
-      std::vector<float>& delta = pred;  // δ 写在 Sᵀk 的位置上
-      float ss = 0.0f;
-      for (int64_t j = 0; j < Dv; ++j) {
-        delta[j] = (v[j] - d * pred[j]) * beta;  // δ = β(v − e^g Sᵀk)
-        o[j] = d * read[j] + qk * delta[j];      // o = e^g Sᵀq + (qᵀk) δ
-        ss += o[j] * o[j];
-      }
-      for (int64_t i = 0; i < Dk; ++i) {  // 写一遍：S ← e^g S + k ⊗ δ
-        float* row = Sh + i * Dv;
-        for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * d + k[i] * delta[j];
-      }
-      if (history && t + 1 < T) std::memcpy(history[t] + bh * Dk * Dv, Sh, Dk * Dv * sizeof(float));
-      const float r = 1.0f / std::sqrt(ss / Dv + eps);  // 门控 RMSNorm：w · rms(o) · silu(z)
-      const float* z = x + C + h * Dv;
-      float* oh = out + ((b * T + t) * Hv + h) * Dv;
-      for (int64_t j = 0; j < Dv; ++j) oh[j] = o[j] * r * norm_w[j] * silu(z[j]);
+  return y;
+}
+
+// 二、卷积窗口往前挪 T 格 → conv_out [B, K−1, C]
+void slide_window(const Input& in, float* conv_out) {
+  for (int64_t b = 0; b < in.B; ++b)
+    for (int64_t j = 0; j < in.K - 1; ++j)
+      std::memcpy(conv_out + (b * (in.K - 1) + j) * in.C, in.at(b, in.T - in.K + 1 + j), in.C * sizeof(float));
+}
+
+// 三、每个位置每个键头的 q、k 做 L2 归一化（q 还要乘 1/sqrt(Dk)）
+void normalize_qk(const DeltaNet& p, float* y, int64_t BT, int64_t C) {
+  const int64_t key = p.Hk * p.Dk;
+  for (int64_t bt = 0; bt < BT; ++bt)
+    for (int64_t h = 0; h < p.Hk; ++h) {
+      l2norm(y + bt * C + h * p.Dk, p.Dk, 1.0f / std::sqrt(float(p.Dk)));
+      l2norm(y + bt * C + key + h * p.Dk, p.Dk, 1.0f);
+    }
+}
+
+// 四、一个头、一个位置的递推：记忆 Sh [Dk, Dv] 只读一遍、写一遍 → o [Dv]。delta 是 Dv 个数的草稿纸
+//     [Sᵀk, Sᵀq] = 旧 S 一次乘两个向量；δ = β(v − e^g Sᵀk)；o = e^g Sᵀq + (qᵀk) δ；S ← e^g S + k ⊗ δ
+void delta_rule(float* Sh, const float* q, const float* k, const float* v, float beta, float d, int64_t Dk, int64_t Dv,
+                float* delta, float* o) {
+  std::fill(delta, delta + Dv, 0.0f);  // 先放 Sᵀk
+  std::fill(o, o + Dv, 0.0f);          // 先放 Sᵀq
+  float qk = 0.0f;
+  for (int64_t i = 0; i < Dk; ++i) {  // 读一遍旧 S
+    const float* row = Sh + i * Dv;
+    qk += q[i] * k[i];
+    for (int64_t j = 0; j < Dv; ++j) {
+      delta[j] += row[j] * k[i];
+      o[j] += row[j] * q[i];
     }
   }
+  for (int64_t j = 0; j < Dv; ++j) {
+    delta[j] = (v[j] - d * delta[j]) * beta;  // δ = β(v − e^g Sᵀk)
+    o[j] = d * o[j] + qk * delta[j];          // o = e^g Sᵀq + (qᵀk) δ
+  }
+  for (int64_t i = 0; i < Dk; ++i) {  // 写一遍：S ← e^g S + k ⊗ δ
+    float* row = Sh + i * Dv;
+    for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * d + k[i] * delta[j];
+  }
+}
+
+// 五、门控 RMSNorm：out = w · rms(o) · silu(z)
+void gated_norm(const float* o, const float* z, const DeltaNet& p, float* out) {
+  float ss = 0.0f;
+  for (int64_t j = 0; j < p.Dv; ++j) ss += o[j] * o[j];
+  const float r = 1.0f / std::sqrt(ss / p.Dv + p.eps);
+  for (int64_t j = 0; j < p.Dv; ++j) out[j] = o[j] * r * p.norm_w[j] * silu(z[j]);
+}
+
+// 一个头 (b, h) 走完 T 个位置：门（β、衰减 e^g）、递推、门控 RMSNorm；记历史时第 t 个位置之后的记忆写进 history[t]
+void head_steps(const DeltaNet& p, const Input& in, const float* y, int64_t b, int64_t h, float* S, float* const* history,
+                float* out) {
+  const int64_t key = p.Hk * p.Dk, C = in.C, bh = b * p.Hv + h, hk = h / (p.Hv / p.Hk);  // 相邻 Hv/Hk 个值头共用 q、k
+  float* Sh = S + bh * p.Dk * p.Dv;  // 这个头的记忆 [Dk, Dv]
+  std::vector<float> delta(p.Dv), o(p.Dv);
+  for (int64_t t = 0; t < in.T; ++t) {
+    const float* x = in.at(b, t);  // 这个位置的 in_proj 输出：z、b、a 在 qkv 之后
+    const float* q = y + (b * in.T + t) * C + hk * p.Dk;
+    const float beta = sigmoid(x[C + p.Hv * p.Dv + h]);                                            // 写入强度 β
+    const float d = std::exp(p.neg_A[h] * softplus(x[C + p.Hv * p.Dv + p.Hv + h] + p.dt_bias[h]));  // 衰减 e^g
+    delta_rule(Sh, q, q + key, y + (b * in.T + t) * C + 2 * key + h * p.Dv, beta, d, p.Dk, p.Dv, delta.data(), o.data());
+    if (history && t + 1 < in.T) std::memcpy(history[t] + bh * p.Dk * p.Dv, Sh, p.Dk * p.Dv * sizeof(float));
+    gated_norm(o.data(), x + C + h * p.Dv, p, out + ((b * in.T + t) * p.Hv + h) * p.Dv);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// DeltaNet 层 T 个相继的位置（解码 T = 1；验证草稿、短的提示词 T > 1），五步：卷积 + SiLU、窗口前移、q/k 归一化、
+// 每个头逐个位置的递推、门控 RMSNorm。proj、sb、ld、conv 见 Input；conv_out 同 conv 的形状：T 个位置之后的窗口（写）。
+// S [B, Hv, Dk, Dv]：就地更新成最后一个位置之后的记忆。history：空，或 T−1 个 [B, Hv, Dk, Dv] 的缓冲区，第 t 个写第
+// t 个位置之后的记忆（投机解码回滚时取用）。out [B, T, Hv·Dv]：门控 RMSNorm 之后、out_proj 之前的输出。
+// 每个位置做的运算与一次只给一个位置时完全一样（同样的求和顺序），所以结果与逐个位置地调用逐位相同；一次给 T 个，
+// 每个头的记忆（64 KB）在缓存里走完 T 步，不必每个位置从内存读一遍、写一遍（记历史时也只多写那几份）。
+void deltanet_step(const DeltaNet* p, const float* proj, int64_t sb, int64_t ld, int64_t B, int64_t T, const float* conv,
+                   float* conv_out, float* S, float* const* history, float* out) {
+  const Input in{proj, conv, sb, ld, B, T, 2 * p->Hk * p->Dk + p->Hv * p->Dv, p->K};
+  std::vector<float> y = convolve(*p, in);  // [B·T, C]
+  slide_window(in, conv_out);
+  normalize_qk(*p, y.data(), B * T, in.C);
+#pragma omp parallel for schedule(static) if (B * p->Hv * p->Dk * p->Dv >= 65536)  // 各头的记忆互不相干，分给各个线程
+  for (int64_t bh = 0; bh < B * p->Hv; ++bh) head_steps(*p, in, y.data(), bh / p->Hv, bh % p->Hv, S, history, out);
 }
 
 // 长的提示词（分块形式，第 8 章）的卷积：x [B, T, C]（第 b 行第 t 个位置在 x + b·sb + t·ld；x_bf16 时是 bfloat16），窗口

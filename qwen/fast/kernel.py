@@ -97,8 +97,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "gemm_pairs_amx": [PTR, I64, I64, PTR, I64, PTR],
     "gemm_i8_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
     "gemm_q4_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
-    "deltanet_step": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_float, PTR, PTR, PTR,
-                      I64, I64, I64, I64, I64, I64],
+    "deltanet_step": [PTR, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR],
     "causal_conv": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, I64, I64, I64],
     "mlp_block": [PTR, PTR, PTR, I64],
     "delta_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR],
@@ -113,13 +112,19 @@ class Lin(ctypes.Structure):
     _fields_ = [("kind", I64), ("blocks", I64), ("n_in", I64), ("n_out", I64), ("w", PTR), ("s", PTR)]
 
 
+class DeltaNetParams(ctypes.Structure):
+    """deltanet.cpp 的 DeltaNet：一个 DeltaNet 层的四个常量（指针：卷积核 [K, C]、−exp(A_log)、dt_bias、门控 RMSNorm 的
+    权重）、门控 RMSNorm 的 eps 与形状（layers.py 的 delta_params 填一次）。"""
+    _fields_ = [("conv_w", PTR), ("neg_A", PTR), ("dt_bias", PTR), ("norm_w", PTR), ("eps", ctypes.c_float),
+                ("Hk", I64), ("Hv", I64), ("Dk", I64), ("Dv", I64), ("K", I64)]
+
+
 class LayerParams(ctypes.Structure):
     """layer.cpp 的 Layer：一个解码层的常量（layers.py 的 layer_params 填一次）。指针指向层里的张量：层在，它们就在。"""
     F32 = ctypes.c_float
     _fields_ = [("bf16", I64), ("hidden", I64), ("inter", I64), ("eps1", F32), ("eps2", F32), ("gate_eps", F32),
                 ("norm1", PTR), ("norm2", PTR), ("in_proj", Lin), ("out_proj", Lin), ("gate_up", Lin), ("down", Lin),
-                ("conv_w", PTR), ("neg_A", PTR), ("dt_bias", PTR), ("norm_w", PTR),
-                ("Hk", I64), ("Hv", I64), ("Dk", I64), ("Dv", I64), ("K", I64),
+                ("delta", DeltaNetParams),
                 ("q_scale", PTR), ("k_scale", PTR), ("H", I64), ("Hkv", I64), ("D", I64)]
 
 
@@ -187,17 +192,15 @@ class Kernel:
             self.lib.gemm_pairs_amx(xb.data_ptr(), xb.shape[0], xb.shape[1], blocks.data_ptr(), blocks.shape[0], y.data_ptr())
         return y[:M]
 
-    def deltanet_step(self, proj, conv, consts, eps: float, S, dims, history: list | None = None):
-        """DeltaNet 层 T 个相继的位置（deltanet.cpp）：proj [B, T, P] float32（in_proj 的输出，最后一维连续），conv [B, K−1, C]
-        窗口，consts = (conv_w [K, C], −exp(A_log), dt_bias, norm_w)，S [B, Hv, Dk, Dv] 就地更新成最后一个位置之后的，
-        dims = (Hk, Hv, Dk, Dv, K)；history：None，或 T−1 个与 S 同形状的张量，写进前 T−1 个位置各自之后的 S
-        → (门控 RMSNorm 之后的输出 [B, T, Hv·Dv], 新窗口 [B, K−1, C])。"""
-        (B, T, _), (Hk, Hv, Dk, Dv, K) = proj.shape, dims
-        out, window = torch.empty(B, T, Hv * Dv), torch.empty_like(conv)
+    def deltanet_step(self, params: DeltaNetParams, proj, conv, S, history: list | None = None):
+        """DeltaNet 层 T 个相继的位置（deltanet.cpp）：params 是这一层的常量与形状，proj [B, T, P] float32（in_proj 的输出，
+        最后一维连续），conv [B, K−1, C] 窗口，S [B, Hv, Dk, Dv] 就地更新成最后一个位置之后的；history：None，或 T−1 个
+        与 S 同形状的张量，写进前 T−1 个位置各自之后的 S → (门控 RMSNorm 之后的输出 [B, T, Hv·Dv], 新窗口 [B, K−1, C])。"""
+        B, T, _ = proj.shape
+        out, window = torch.empty(B, T, params.Hv * params.Dv), torch.empty_like(conv)
         parts = None if history is None else (ctypes.c_void_p * max(T - 1, 1))(*(h.data_ptr() for h in history))
-        self.lib.deltanet_step(proj.data_ptr(), proj.stride(0), proj.stride(1), T, conv.data_ptr(), window.data_ptr(),
-                               *(c.data_ptr() for c in consts), eps, S.data_ptr(), parts, out.data_ptr(),
-                               B, Hk, Hv, Dk, Dv, K)
+        self.lib.deltanet_step(ctypes.byref(params), proj.data_ptr(), proj.stride(0), proj.stride(1), B, T, conv.data_ptr(),
+                               window.data_ptr(), S.data_ptr(), parts, out.data_ptr())
         return out, window
 
     def causal_conv(self, x: torch.Tensor, past: torch.Tensor, conv_w: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,13 @@
 #include <cstring>
 #include <vector>
 
+// 一个 DeltaNet 层的常量与形状：与 deltanet.cpp 的同一个定义（kernel.py 的 DeltaNetParams）
+struct DeltaNet {
+  const float *conv_w, *neg_A, *dt_bias, *norm_w;  // 卷积核 [K, C]、−exp(A_log) [Hv]、dt_bias [Hv]、门控 RMSNorm 的权重 [Dv]
+  float eps;                                       // 门控 RMSNorm 的 eps
+  int64_t Hk, Hv, Dk, Dv, K;                       // 键头、值头、各自的维数、卷积核长
+};
+
 extern "C" {  // 别的源文件里的入口
 void rms_norm(const float* x, int64_t rows, int64_t D, const float* scale, float eps, float* y);
 void matvec_f32(const float* x, int64_t, int64_t M, int64_t n_in, const float* w, const float*, void* y, int64_t B, int64_t y_bf16);
@@ -30,9 +37,8 @@ void matvec_q4(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const uin
 #if defined(__AVX512BF16__) && defined(__AVX512F__)  // 只在有 AVX-512 BF16 的 CPU 上编进去（别的 CPU 不建这种布局）
 void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, void* y, int64_t B);
 #endif
-void deltanet_step(const float* proj, int64_t sb, int64_t ld, int64_t T, const float* conv, float* conv_out,
-                   const float* conv_w, const float* neg_A, const float* dt_bias, const float* norm_w, float eps, float* S,
-                   float* const* history, float* out, int64_t B, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t K);
+void deltanet_step(const DeltaNet* p, const float* proj, int64_t sb, int64_t ld, int64_t B, int64_t T, const float* conv,
+                   float* conv_out, float* S, float* const* history, float* out);
 void attention_step(const void* qkv, int64_t qkv_bf16, int64_t ld, int64_t B, int64_t T, const float* cos, const float* sin,
                     int64_t cs_b, int64_t rot, const float* q_scale, const float* k_scale, float eps, float* k_buf,
                     float* v_buf, int64_t cap, int64_t length, int64_t H, int64_t Hkv, int64_t D, float* out);
@@ -50,11 +56,10 @@ struct Lin {
 // 一层的常量（kernel.py 的 LayerParams，换布局之后填一次）：bf16 是模型的 dtype 是不是 bfloat16
 struct Layer {
   int64_t bf16, hidden, inter;
-  float eps1, eps2, gate_eps;  // gate_eps：DeltaNet 的门控 RMSNorm，注意力层的 q_norm、k_norm
+  float eps1, eps2, gate_eps;  // gate_eps：注意力层的 q_norm、k_norm
   const float *norm1, *norm2;  // 两个 RMSNorm 的 1 + w
   Lin in_proj, out_proj, gate_up, down;
-  const float *conv_w, *neg_A, *dt_bias, *norm_w;  // DeltaNet 层的四个常量（注意力层不用）
-  int64_t Hk, Hv, Dk, Dv, K;
+  DeltaNet delta;                  // DeltaNet 层的常量与形状（注意力层不用）
   const float *q_scale, *k_scale;  // 注意力层（in_proj、out_proj 是 qkv 与 o_proj）：q_norm、k_norm 的 1 + w
   int64_t H, Hkv, D;               // 查询头、键值头、头的维数（H = 0：这一层不走 attention.cpp）
 };
@@ -211,11 +216,10 @@ void delta_layer(const Layer* lp, const float* x, float* out, int64_t B, int64_t
   const int64_t M = B * T, P = p.in_proj.n_out;
   Rows h = normed(x, M, p.hidden, p.norm1, p.eps1, p.bf16);
   Rows proj = linear(p.in_proj, h, M);  // [M, P]
-  std::vector<float> pf(M * P), o(M * p.Hv * p.Dv);
+  std::vector<float> pf(M * P), o(M * p.delta.Hv * p.delta.Dv);
   proj.to_float(pf.data(), M * P);  // .float()
   if (proj_out) std::memcpy(proj_out, pf.data(), M * P * sizeof(float));
-  deltanet_step(pf.data(), T * P, P, T, conv, conv_out, p.conv_w, p.neg_A, p.dt_bias, p.norm_w, p.gate_eps, S, history,
-                o.data(), B, p.Hk, p.Hv, p.Dk, p.Dv, p.K);
+  deltanet_step(&p.delta, pf.data(), T * P, P, B, T, conv, conv_out, S, history, o.data());
   mixer_out(p, x, o, M, out);
 }
 

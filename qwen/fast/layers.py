@@ -25,7 +25,7 @@ from ..layer import DecoderLayer
 from ..mlp import MLP
 from ..norm import RMSNorm, rms
 from ..model import Model
-from .kernel import LayerParams, Lin
+from .kernel import DeltaNetParams, LayerParams, Lin
 from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
 from .share import can_share, current, layer_many
@@ -180,6 +180,7 @@ class FastAttention(Attention):
 class FastDeltaNet(GatedDeltaNet):
     step_kernel = None  # 分块布局的层（speed_up_layer 挂上 Kernel）：解码、验证草稿时用 deltanet.cpp 逐个位置地算
     step_consts = None  # 它要的四个常量，换布局时算好一次：卷积核 [K, C]、−exp(A_log)、dt_bias、门控 RMSNorm 的权重
+    step_params = None  # deltanet.cpp 的 DeltaNet：指向这四个常量，再加 eps 与形状（kernel.py 的 DeltaNetParams）
 
     def forward(self, x, state=None, valid=None, rule=recurrent_gated_delta_rule):
         """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导、没有左填充）且有 C++ 内核时交给 step；其余照第 7 章。"""
@@ -209,8 +210,7 @@ class FastDeltaNet(GatedDeltaNet):
         一次 deltanet.cpp 的调用走完这 T 个位置：每个位置的卷积、归一化、门、递推、门控 RMSNorm 与单独解码它时一样。"""
         B, T, _ = proj.shape
         past, S, history = self.step_state(state, B, T)
-        dims = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.kernel)
-        out, conv = self.step_kernel.deltanet_step(proj, past, self.step_consts, self.norm.eps, S, dims, history)
+        out, conv = self.step_kernel.deltanet_step(self.step_params, proj, past, S, history)
         self.keep_state(state, past, proj, S, history, conv)
         return out  # [B, T, Hv·Dv]
 
@@ -322,6 +322,8 @@ def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) 
         mixer.step_kernel = kernel
         mixer.step_consts = tuple(t.detach().float().contiguous() for t in (
             mixer.conv1d.weight[:, 0].t(), -mixer.A_log.exp(), mixer.dt_bias, mixer.norm.weight))
+        mixer.step_params = DeltaNetParams(*(t.data_ptr() for t in mixer.step_consts), mixer.norm.eps, mixer.num_k_heads,
+                                           mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.kernel)
 
 
 def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
@@ -339,9 +341,8 @@ def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
                     norm1=norms[0].scale.data_ptr(), norm2=norms[1].scale.data_ptr(),
                     gate_up=lin(layer.mlp.gate_up), down=lin(layer.mlp.down_proj))
     if mixer is not None:
-        p.in_proj, p.out_proj, p.gate_eps = lin(mixer.in_proj), lin(mixer.out_proj), mixer.norm.eps
-        p.conv_w, p.neg_A, p.dt_bias, p.norm_w = (c.data_ptr() for c in mixer.step_consts)
-        p.Hk, p.Hv, p.Dk, p.Dv, p.K = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.kernel
+        p.in_proj, p.out_proj = lin(mixer.in_proj), lin(mixer.out_proj)
+        p.delta = mixer.step_params
     elif attention_fits(layer.self_attn):
         a = layer.self_attn
         p.in_proj, p.out_proj, p.gate_eps = lin(a.qkv), lin(a.o_proj), a.q_norm.eps
