@@ -97,8 +97,8 @@ class Resume:
         history = self.tokens
         if mtp is None:
             return stream(model, [tokens], max_new_tokens, stop, sampling, state=self.state, history=history, images=images)
-        rounds = stream_mtp(model, mtp, [tokens], max_new_tokens, stop, sampling, result=result, state=self.state,
-                            drafter=self.drafter, history=history, images=images, **more)
+        rounds = stream_mtp(model, mtp, [tokens], max_new_tokens, stop, sampling, result=result, resume=self, images=images,
+                            **more)
         return (t for emitted in rounds for t in emitted)
 
 

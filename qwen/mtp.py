@@ -2,11 +2,10 @@
 
 `mtp.*` 是一层“草稿头”（多 token 预测：Gloeckle 等 2024；DeepSeek-V3），由主模型在位置 t 的隐藏状态 h_t 和 e_{t+1} 预测 t+2：
     x = fc([pre_fc_norm_embedding(e_{t+1}), pre_fc_norm_hidden(h_t)]) → 一个门控全注意力层 → norm → 共用的 lm_head
-投机解码（Leviathan 等 2023；Chen 等 2023）：草稿头便宜地猜出 d₁…d_k，主模型把 [last, d₁, …, d_k] 一次前向验证（CPU 上
-读权重最花时间，验证 k+1 个与算 1 个差不多贵），收下一致的前缀再加一个自己的 token：贪心时输出不变。采样时用拒绝采样：
-x ~ q 以 min(1, p(x)/q(x)) 接受，拒绝时从 normalize(max(0, p − q)) 重抽，分布不变。
-回滚是难点：被拒绝的草稿已经改过 DeltaNet 的记忆 S 和卷积窗口。简单的做法是第 11 章的 snapshot / rollback（存档、回退、
-重喂）；我们的做法是 keep_history / commit（与 vLLM、SGLang 相同）：验证时记下每个位置之后的 S，提交时取出最后接受的那份。
+投机解码（Leviathan 等 2023；Chen 等 2023）：草稿头便宜地猜出 d₁…d_k，主模型把 [last, d₁, …, d_k] 一次前向验证（CPU 上读权重最花时间，
+验证 k+1 个与算 1 个差不多贵），收下一致的前缀再加一个自己的 token：贪心时输出不变。采样时用拒绝采样：x ~ q 以 min(1, p(x)/q(x)) 接受，
+拒绝时从 normalize(max(0, p − q)) 重抽，分布不变。回滚是难点：被拒绝的草稿已经改过 DeltaNet 的记忆 S 和卷积窗口。简单的做法是第 11 章的
+snapshot / rollback（存档、回退、重喂）；我们用 keep_history / commit（与 vLLM、SGLang 相同）：验证时记下每个位置之后的 S，提交时取出最后接受的那份。
 """
 
 import time
@@ -45,7 +44,7 @@ class MTP(nn.Module):
         cos, sin = rope_tables(self.cfg, start + shift + torch.arange(x.shape[1], device=x.device))  # 同主模型：位置 + shift
         return self.norm(self.layers[0](x.float(), cos, sin, state)).to(emb_next.dtype)
 
-    def draft(self, model, pending: "Drafter", k: int, pick: "Sampler"):
+    def draft(self, model, pending: "Drafter", k: int, pick: "Run"):
         """起草 k 个 → (草稿, 各自的分布 q 或 None)：先吃掉 pending 里的 (e_{t+1}, h_t) 对，再吃自己的输出（x 当下一步的 h）。"""
         pending.cache.truncate(pending.start)  # 丢掉上一轮递归起草留下的推测条目
         x = self(model.embed_tokens(pending.tokens), pending.hidden, pending.start, pending.cache, pending.shift)[:, -1:]
@@ -96,17 +95,6 @@ class SpecResult:
 
 
 @dataclass
-class Sampler:
-    """一次生成里怎么选 token：设置（第 12 章的 Sampling）、它的随机数发生器、罚重复记下的状态。"""
-    s: Sampling
-    gen: torch.Generator | None
-    penalty: Penalty
-
-    def choose(self, logits, extra=()):  # 一个位置的 logits [1, V] → (token, 分布 q；贪心时 None)；extra 见 Penalty
-        return choose(self.penalty(logits, extra)[0], self.s.temperature, self.s.top_k, self.s.top_p, self.gen)
-
-
-@dataclass
 class Drafter:
     """草稿头这一边的状态：它的 KV 缓存，和它还没见过的 (h_t, e_{t+1}) 对，从位置 start 起。"""
     cache: AttentionState
@@ -119,12 +107,27 @@ class Drafter:
         self.hidden, self.tokens = torch.cat([self.hidden, hidden], 1), torch.cat([self.tokens, self.tokens.new_tensor([tokens])], 1)
 
 
+@dataclass
+class Run:
+    """一次投机生成每轮都用的：怎么选 token（Sampling、随机数发生器、罚重复）、停止符、回滚的做法、主模型的 State、草稿头这一边。"""
+    s: Sampling
+    gen: torch.Generator | None
+    penalty: Penalty
+    stop: set
+    recompute: bool
+    state: State
+    drafter: Drafter | None = None
+
+    def choose(self, logits, extra=()):  # 一个位置的 logits [1, V] → (token, 分布 q；贪心时 None)；extra 见 Penalty
+        return choose(self.penalty(logits, extra)[0], self.s.temperature, self.s.top_k, self.s.top_p, self.gen)
+
+
 def forward_hidden(model, ids, state):  # → (logits [B, T, V] float32：验证要它, 最后一次 norm 之后的 [B, T, h]：草稿头要它)
     h = model.hidden(ids, state)
     return model.lm_head(h).float(), h
 
 
-def verify(drafts, qs, logits, pick: Sampler):
+def verify(drafts, qs, logits, pick: Run):
     """主模型的 logits [k+1, V] 检验 k 个草稿 → (接受数 n, d₁…d_n 加一个主模型的 token)；罚重复时前面的草稿也算生成过。
     “贪心时输出不变”要求第 i 行与逐个解码时逐位相同：换个求和顺序就可能翻转持平的 argmax（普通模型只差在舍入之内）。"""
     for i, d in enumerate(drafts):
@@ -147,71 +150,68 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
     return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
 
 
-def spec_round(model, mtp, state: State, drafter: Drafter, last: int, k: int, pick: Sampler, stop, budget: int,
-               recompute: bool = False):
+def spec_round(model, mtp, run: Run, last: int, k: int, budget: int):
     """一轮：起草 k 个 → 一次前向验证 [last, d₁…] → 接受一致的前缀 → 提交（或回滚）→ (通过数, 本轮的 token, 前向次数)。"""
     # 1. 起草（k = 0 时这一轮就是普通解码）
-    drafts, qs = mtp.draft(model, drafter, k, pick) if k > 0 else ([], [])
+    drafts, qs = mtp.draft(model, run.drafter, k, run) if k > 0 else ([], [])
     # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
-    start = state.pos
-    feed = torch.tensor([[last] + drafts], device=drafter.tokens.device)  # [1, k+1]
-    snap = snapshot(state) if recompute else None
-    if not recompute and k > 0:
+    state, start = run.state, run.state.pos
+    feed = torch.tensor([[last] + drafts], device=run.drafter.tokens.device)  # [1, k+1]
+    snap = snapshot(state) if run.recompute else None
+    if not run.recompute and k > 0:
         keep_history(state)
     logits, h = forward_hidden(model, feed, state)  # [1, k+1, V]、[1, k+1, h]
-    forwards = 1
-    # 3. 接受最长的一致前缀，再加一个主模型的 token；停止符（含）之后的、超出预算的不要
-    n, new = verify(drafts, qs, logits[0], pick)
-    m = min(next((i + 1 for i, t in enumerate(new) if t in stop), len(new)), budget)
+    # 3. 接受最长的一致前缀，再加一个主模型的 token；停止符（含）之后的、超出预算（budget 个）的不要
+    n, new = verify(drafts, qs, logits[0], run)
+    m = min(next((i + 1 for i, t in enumerate(new) if t in run.stop), len(new)), budget)
     emitted = new[:m]  # 喂进去的 [last, d₁, …] 里保留前 m 个
     # 4. 提交：只留下前 m 个位置之后的状态
-    if recompute and m < k + 1:  # 有被丢弃的 token：恢复存档，再把保留的重新喂一遍
+    if run.recompute and m < k + 1:  # 有被丢弃的 token：恢复存档，再把保留的重新喂一遍
         rollback(state, snap)
         h = model.hidden(feed[:, :m], state)
-        forwards += 1
-    elif not recompute and k > 0:
+    elif not run.recompute and k > 0:
         commit(state, start, m)  # 取出第 m 个位置之后的 S 和卷积窗口，KV 缓存截到 start + m
     # 这一轮留下的 m 对 (h_t, e_{t+1})：草稿头下次起草时一并吃掉
-    drafter.add(h[:, :m], emitted)
-    return n, emitted, forwards
+    run.drafter.add(h[:, :m], emitted)
+    return n, emitted, 1 + int(run.recompute and m < k + 1)  # 重算过的一轮是两次前向
 
 
 @torch.inference_mode()
 def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, draft_tokens=None,
-               recompute=False, result=None, state=None, drafter=None, history=(), cost_now=None, images=None, **settings):
-    """逐轮产出新 token（接受的草稿与主模型补的一个），细节记进 result。draft_tokens=None：按接受率挑；recompute：存档 + 重算。
-    接着对话时 state 已读过 history，drafter 是草稿头这一边；cost_now：每轮问一次当前的起草代价的函数（默认取 mtp.draft_cost）。"""
+               recompute=False, result=None, resume=None, cost_now=None, images=None, **settings):
+    """逐轮产出新 token（接受的草稿与主模型补的一个），细节记进 result。draft_tokens=None：按接受率挑；recompute：存档 + 重算；
+    resume：接着读到某处的状态（tokens、state、drafter：如附录的 Resume）；cost_now：每轮问一次起草代价的函数（默认 mtp.draft_cost）。"""
     t0, s = time.perf_counter(), Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
     if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
         raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
-    if (ids := model.check_ids(ids, state)).shape[0] != 1:
+    if (ids := model.check_ids(ids, resume and resume.state)).shape[0] != 1:
         raise ValueError("投机解码一次处理一个提示词")
     r = result if result is not None else SpecResult()
     r.accepted_at, r.tried_at = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS)
     if max_new_tokens == 0:
         return
-    stop, r.state = stop_ids(stop), state or State(model)
+    r.state, history = (resume.state, resume.tokens) if resume else (State(model), [])
     seen = torch.cat([torch.as_tensor(history, dtype=torch.long), ids[0].cpu()])
-    pick = Sampler(s, s.generator(ids.device), Penalty([seen], model.cfg.vocab_size, s))
+    run = Run(s, s.generator(ids.device), Penalty([seen], model.cfg.vocab_size, s), stop_ids(stop), recompute, r.state)
     h = model.hidden(ids, r.state, images)  # 预填充（images：ids 里的图）；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
-    last, _ = pick.choose(model.lm_head(h[:, -1]).float())
+    last, _ = run.choose(model.lm_head(h[:, -1]).float())
     r.tokens, r.forwards, r.prefill_seconds = [last], 1, time.perf_counter() - t0
     yield [last]
-    pick.penalty.add([last])
-    fresh, drafter = drafter is None, drafter or Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
-    drafter.shift = r.state.shift
-    drafter.add(h, ids[0, int(fresh) :].tolist() + [last])  # 草稿头还没见过的对：每个位置配上下一个 token
+    run.penalty.add([last])
+    fresh = resume is None or resume.drafter is None
+    run.drafter = Drafter(AttentionState(), h[:, :0], ids[:, :0], 0) if fresh else resume.drafter
+    run.drafter.shift = r.state.shift
+    run.drafter.add(h, ids[0, int(fresh) :].tolist() + [last])  # 草稿头还没见过的对：每个位置配上下一个 token
     idle = 0  # 连续几轮没有起草
-    while last not in stop and len(r.tokens) < max_new_tokens:
+    while last not in run.stop and len(r.tokens) < max_new_tokens:
         k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], cost_now() if cost_now else mtp.draft_cost)
         k = max(k, int(idle >= PROBE_EVERY))  # 太久没起草：试一个，让接受率的估计跟上文本的变化
         k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
         idle = idle + 1 if k == 0 else 0
-        n, emitted, forwards = spec_round(model, mtp, r.state, drafter, last, k, pick, stop,
-                                          max_new_tokens - len(r.tokens), recompute)
+        n, emitted, forwards = spec_round(model, mtp, run, last, k, max_new_tokens - len(r.tokens))
         r.record(k, n, emitted, forwards)
-        pick.penalty.add(emitted)
+        run.penalty.add(emitted)
         last = emitted[-1]
         yield emitted
 

@@ -14,7 +14,7 @@ import torch
 
 import qwen
 from qwen.cache import AttentionState, State, commit, keep_history
-from qwen.mtp import MTP, Drafter, Sampler, forward_hidden, generate_mtp, speculate, verify
+from qwen.mtp import MTP, Drafter, Run, forward_hidden, generate_mtp, speculate, verify
 from qwen.sample import Penalty, Sampling
 
 torch.manual_seed(0)
@@ -81,40 +81,39 @@ plt.show()
 
 # %%
 def begin(ids):
-    """预填充（同 stream_mtp 的开头，贪心）→ (主模型状态, 草稿头这边, 选 token 的, 第一个新 token)。"""
+    """预填充（同 stream_mtp 的开头，贪心）→ (这次生成每轮都用的 Run：主模型状态、草稿头这边、怎么选 token, 第一个新 token)。"""
     s = Sampling()
-    pick = Sampler(s, None, Penalty([ids[0]], model.cfg.vocab_size, s))
-    state = State(model)
-    h = model.hidden(ids, state)
-    last, _ = pick.choose(model.lm_head(h[:, -1]).float())
-    pick.penalty.add([last])
-    drafter = Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
-    drafter.add(h, ids[0, 1:].tolist() + [last])  # 每个位置配上下一个 token
-    return state, drafter, pick, last
+    run = Run(s, None, Penalty([ids[0]], model.cfg.vocab_size, s), set(), False, State(model))
+    h = model.hidden(ids, run.state)
+    last, _ = run.choose(model.lm_head(h[:, -1]).float())
+    run.penalty.add([last])
+    run.drafter = Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
+    run.drafter.add(h, ids[0, 1:].tolist() + [last])  # 每个位置配上下一个 token
+    return run, last
 
 
-def timed_round(state, drafter, pick, last, k):
+def timed_round(run, last, k):
     """一轮 → (本轮的 token, 通过的草稿数, 四个时刻：开始、起草完、验证完、提交完)。"""
     t0 = time.perf_counter()
-    drafts, qs = mtp.draft(model, drafter, k, pick)
+    drafts, qs = mtp.draft(model, run.drafter, k, run)
     t1 = time.perf_counter()
-    start = state.pos
-    keep_history(state)
-    logits, h = forward_hidden(model, torch.tensor([[last] + drafts]), state)
-    n, new = verify(drafts, qs, logits[0], pick)
+    start = run.state.pos
+    keep_history(run.state)
+    logits, h = forward_hidden(model, torch.tensor([[last] + drafts]), run.state)
+    n, new = verify(drafts, qs, logits[0], run)
     t2 = time.perf_counter()
-    commit(state, start, len(new))
-    drafter.add(h[:, : len(new)], new)
-    pick.penalty.add(new)
+    commit(run.state, start, len(new))
+    run.drafter.add(h[:, : len(new)], new)
+    run.penalty.add(new)
     return new, n, (t0, t1, t2, time.perf_counter())
 
 
 def run_rounds(ids, k, rounds):
     """预填充后跑几轮 → (全部新 token, 每轮的 (通过数, 时刻))。"""
-    state, drafter, pick, last = begin(ids)
+    run, last = begin(ids)
     tokens, log = [last], []
     for _ in range(rounds):
-        new, n, times = timed_round(state, drafter, pick, last, k)
+        new, n, times = timed_round(run, last, k)
         tokens, last = tokens + new, new[-1]
         log.append((n, times))
     return tokens, log
