@@ -33,6 +33,22 @@ def lively(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def model(lively):
+    """lively 经附录 qwen.fast 变换过的模型（打包的布局、float32）：生成、对话、投机解码的测试共用。"""
+    from qwen.fast import load_model
+
+    return load_model(lively[0], layout="packed", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def lively_model(lively):
+    """lively 上各章的普通模型（不变换）。"""
+    from qwen import Model
+
+    return Model.from_pretrained(lively[0], dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny):
     """各章的普通模型（pack=False，不变换）：逐位与参考实现比，也是快路径的对照。"""
     from qwen import Model

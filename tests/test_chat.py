@@ -1,14 +1,15 @@
-"""对话：发布模板的渲染规则、多轮对话不重读历史、MTP 与命令行、采样的默认值。"""
+"""第 13 章 chat.py：对话格式（发布模板的渲染规则）、分词与流式解码、多轮对话不重读历史、MTP 与命令行、采样的默认值。"""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qwen import Chat, Conversation, build_prompt, generate
-from qwen.fast import load_model
+from qwen.chat import TextStream
 from qwen.conversation import generation_defaults
 from qwen.literal import ESC, Literal
 from qwen.template import Template, is_released
@@ -80,7 +81,8 @@ IMAGE_SHAPES = {
         {"type": "text", "text": "比较 "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
         {"type": "text", "text": " 与 "}, {"type": "image", "image": "b.png"}]}],
     "an image in a later turn": [
-        {"role": "system", "content": "你看图。"}, {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "这是？"}]},
+        {"role": "system", "content": "你看图。"},
+        {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "这是？"}]},
         {"role": "assistant", "content": "一只猫。"}, {"role": "user", "content": [{"type": "text", "text": "那这个呢？"},
                                                                                  {"type": "image", "image": "b.png"}]}],
 }
@@ -159,11 +161,6 @@ def test_role_markers_in_client_text_stay_text(real_chat):
 
 
 # ---------- 多轮对话：不重读历史 ----------
-
-
-@pytest.fixture(scope="module")
-def model(lively):
-    return load_model(lively[0], layout="packed", dtype=torch.float32)
 
 
 TURNS = ["你好，介绍一下长江。", "再写 200 字。", "谢谢 🚀"]
@@ -271,3 +268,92 @@ def test_cli_with_and_without_mtp(lively, capsys):
     assert "对话模板：检查点自己的（chat_template.jinja" in with_mtp.err  # 加载时说用哪个模板
     a, b = (run("--temperature", "0.9", "--top-p", "0.9", "--seed", "7") for _ in range(2))
     assert a.out == b.out
+
+
+# ---------- 分词、流式解码与命令行 ----------
+
+
+def test_build_prompt_format():
+    msgs = [{"role": "system", "content": "你是助手。"}, {"role": "user", "content": "你好"}]
+    assert build_prompt(msgs) == (
+        "<|im_start|>system\n你是助手。<|im_end|>\n<|im_start|>user\n你好<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert build_prompt(msgs, enable_thinking=True).endswith("<|im_start|>assistant\n<think>\n")
+    multi = msgs + [{"role": "assistant", "content": "<think>\n想想\n</think>\n\n你好！"}, {"role": "user", "content": "再见"}]
+    assert "<|im_start|>assistant\n你好！<|im_end|>\n<|im_start|>user\n再见<|im_end|>\n" in build_prompt(multi)
+
+
+@pytest.fixture(scope="module")
+def chat(lively, model):
+    return Chat(model, lively[0])
+
+
+def test_chat_basics(chat):
+    assert chat.templated  # 有 chat_template.jinja：按 ChatML 组织提示词
+    assert chat.prompt([{"role": "user", "content": "你好"}]) == build_prompt([{"role": "user", "content": "你好"}])
+    assert chat.stop == [chat.tk.token_to_id("<|im_end|>"), chat.tk.token_to_id("<|endoftext|>")]
+    ids = chat.encode("<|im_start|>user\n你好<|im_end|>")
+    assert ids.shape[0] == 1 and ids[0, 0] == chat.tk.token_to_id("<|im_start|>")
+    assert chat.decode(ids[0].tolist()) == "<|im_start|>user\n你好<|im_end|>"
+    with pytest.raises(ValueError, match="空"):
+        chat.encode("")
+
+
+def test_missing_tokenizer(model, tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Chat(model, tmp_path)
+
+
+TEXTS = ["你好，世界！长江很长。", "🚀🎉👍 emoji 😀🐉 混合 Transformer", "写一段 200 字的短文，介绍长江。🌊"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decode_is_exact(chat, text):
+    ids = chat.tk.encode(text).ids
+    assert any("\ufffd" in chat.tk.decode([i]) for i in ids)  # 真的有 token 只是半个字符
+    s = TextStream(chat.tk)
+    pieces = [s.put(i) for i in ids] + [s.flush()]
+    assert "".join(pieces) == chat.tk.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="长江你好世界🚀🎉😀🐉abc ，。\n", min_size=1, max_size=40))
+def test_stream_decode_property(chat, text):
+    ids = chat.tk.encode(text).ids
+    s = TextStream(chat.tk)
+    pieces = [s.put(i) for i in ids] + [s.flush()]
+    assert "".join(pieces) == chat.tk.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_reply_streams_text(chat):
+    pieces = list(chat.reply([{"role": "user", "content": "你好"}], max_new_tokens=10))
+    ids = chat.encode(build_prompt([{"role": "user", "content": "你好"}]))
+    tokens = generate(chat.model, ids, 10, chat.stop)
+    tokens = [t for t in tokens if t not in chat.stop]
+    assert "".join(pieces) == chat.decode(tokens)
+
+
+def test_cli_interactive(tiny, monkeypatch, capsys):
+    """--compile 路径上的多轮对话（本进程里调 main，标准输入换成两行问题和一个空行）：先打印一行“编译解码用的图”的
+    提示，再答两轮。float32：与 test_fast 编译过的图相同；草稿头编译的图由 test_fast 测。"""
+    import io
+
+    from qwen.__main__ import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("你好\n再见\n\n"))
+    main(["--model", str(tiny[0]), "--max-new-tokens", "4", "--dtype", "float32", "--compile", "--no-mtp"])
+    out = capsys.readouterr()
+    assert "编译解码用的图" in out.err
+    assert out.err.count("token/s") == 2 and out.out.count("Qwen：") == 2
+
+
+def test_cli_bad_model_path(tmp_path):
+    """坏的检查点路径：一行说明缺了 config.json，退出，不是 traceback。"""
+    from qwen.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["hi", "--model", str(tmp_path)])
+    assert str(exit.value.code).startswith("错误：") and "config.json" in str(exit.value.code)

@@ -1,4 +1,4 @@
-"""分块并行形式与逐 token 递推：输出与最终状态相同。"""
+"""第 8 章 chunk.py：分块并行形式与逐 token 递推：输出与最终状态相同。"""
 
 import pytest
 import torch

@@ -6,8 +6,11 @@ import copy
 import pytest
 import torch
 
+from qwen import Model
 from qwen import compare as cmp
 from qwen.weights import DEMO_PATH
+
+from checkpoints import prompt
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +117,19 @@ def test_random_checkpoint(capsys):
     """--random：临时文件夹里造的随机检查点（发布的布局）两边也每一块 ok。"""
     assert cmp.main(["--random"]) == 0
     assert "每一块的相对差都在容差" in capsys.readouterr().out
+
+
+def test_compare_names_the_broken_layer(tiny, capsys):
+    """python -m qwen.compare：原样的模型每一块都在容差之内；改坏第 2 层的一个权重，它指出的第一个坏块正是第 2 层。"""
+    from qwen.compare import compare, main
+
+    path, hf = tiny
+    assert main(["--model", str(path), "--tokens", "20"]) == 0  # 自己从检查点建 transformers 的模型
+    out = capsys.readouterr().out
+    assert "每一块的相对差都在容差" in out and "第 2 层" in out
+    model = Model.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.layers[2].mlp.down_proj.weight[:, 0] += 0.05  # 改坏一列
+    rows, first = compare(model, hf, prompt(model.cfg.vocab_size, 20, seed=5))
+    assert [r[0] for r in rows][first].startswith("第 2 层")
+    assert all(r[1] <= 1e-4 * max(r[3], 1) for r in rows[:first])  # 之前的块仍然对得上

@@ -139,7 +139,8 @@ def test_find_model_offline_nothing_cached(tmp_path):
 
 
 def test_compile_without_a_working_compiler(tiny, monkeypatch):
-    """layout="graphs"（旧的 compile=True）而这台机器编译不了 C++ 的 matvec（比如没有 C++ 编译器）：加载时就给出说明与办法，而不是从 torch 深处报错。"""
+    """layout="graphs"（旧的 compile=True）而这台机器编译不了 C++ 的 matvec（比如没有 C++ 编译器）：加载时就给出说明与办法，
+    而不是从 torch 深处报错。"""
     import qwen.fast.kernel as kernel
 
     def broken(cxx):

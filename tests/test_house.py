@@ -190,3 +190,13 @@ def test_reading_the_chapters_loads_no_appendix():
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('qwen'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
     assert loaded == {"qwen", *(f"qwen.{c}" for c in CHAPTERS)}, loaded - {f"qwen.{c}" for c in CHAPTERS}
+
+
+def test_every_chapter_has_its_tests_under_its_name():
+    """学习者按章名找测试：第 N 章 qwen/X.py 的测试在 tests/test_X.py，那个文件开头说它是第几章、测什么。"""
+    here = Path(__file__).parent
+    for i, name in enumerate(CHAPTERS):
+        path = here / f"test_{name}.py"
+        assert path.is_file(), f"第 {name} 章没有 tests/test_{name}.py"
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert doc.startswith("第 ") and f"{name}.py" in doc.split("：")[0], f"{path.name} 的开头没说它是哪一章：{doc[:40]!r}"

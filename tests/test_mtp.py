@@ -1,4 +1,4 @@
-"""第 14 章：MTP 草稿头与投机解码。"""
+"""第 14 章 mtp.py：MTP 草稿头与投机解码。"""
 
 import time
 
@@ -13,11 +13,6 @@ from qwen.fast import load_draft, load_model
 from qwen.bench import OracleDrafter
 from qwen.mtp import MTP, generate_mtp, speculate
 from qwen.sample import generate, probabilities
-
-
-@pytest.fixture(scope="module")
-def model(lively):
-    return load_model(lively[0], layout="packed", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -58,11 +58,6 @@ def reference_ids(folder, messages, **kwargs) -> list:
 
 
 @pytest.fixture(scope="module")
-def model(lively):
-    return load_model(lively[0], layout="packed", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def folders(lively, tmp_path_factory):
     root = tmp_path_factory.mktemp("templates")
     return {name: with_template(root / name, lively, text) for name, text in

@@ -1,4 +1,4 @@
-"""第 15 章：视觉塔与带图的提示词——像素、塔的输出、logits、贪心续写与 transformers 对照；投机解码与批处理逐位不变；坏输入。"""
+"""第 15 章 vision.py：视觉塔与带图的提示词——像素、塔的输出、logits、贪心续写与 transformers 对照；投机解码与批处理逐位不变；坏输入。"""
 
 import io
 import json

@@ -2,8 +2,8 @@
 
 解码一个 token 要把全部权重从内存读一遍，速度的上限是“权重字节数 ÷ 内存带宽”；矩阵乘法怎么读权重决定了离上限多远。
 
-- PackedLinear（layout="packed"，或这台机器编译不了 C++ 时）：PyTorch 在 CPU 上把 bfloat16 矩阵乘法交给 oneDNN，而 oneDNN 每次调用都先把 [out, in] 的权重
-  重排成它的分块布局：权重实际被读写了三遍。加载时重排一次（_reorder_linear_weight），之后每次只读一遍，
+- PackedLinear（layout="packed"，或这台机器编译不了 C++ 时）：PyTorch 在 CPU 上把 bfloat16 矩阵乘法交给 oneDNN，而 oneDNN
+  每次调用都先把 [out, in] 的权重重排成它的分块布局：权重实际被读写了三遍。加载时重排一次（_reorder_linear_weight），之后每次只读一遍，
   1 到 8 行输入（投机解码一次验证几个 token）读的都是同样一遍权重。bfloat16 内核在 4 行时读得最快，不足 4 行就补零行。
 - BlockedLinear（layout="blocked" 与 "graphs"，能编译 C++ 时默认）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；matvec.cpp 的小循环（kernel.py
   编译一次）逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。两个线程各自顺序读自己那一半，硬件预取最顺手。

@@ -6,7 +6,7 @@
 
 layout 一个参数选矩阵怎么存、怎么乘，每个值只有一个意思（LAYOUTS）；quantize 另选权重的格式。第 10 章的
 Model.from_pretrained 只加载普通模型；这里用它的 load_pretrained 在 meta 设备上搭骨架、核对名字与形状（只读形状，
-不读权重），再由 speedup 一层一层地读出、换掉：内存里不必同时有整个模型的原始权重。草稿头跟着主模型的
+不读权重），再由 speed_up_model 一层一层地读出、换掉：内存里不必同时有整个模型的原始权重。草稿头跟着主模型的
 model.layout 与 model.quantized 走。
 """
 
@@ -84,9 +84,9 @@ def load_model(path=None, layout: str = "auto", quantize: str | None = None, dty
     path = find_model(path)
     if layout == "plain":
         model = Model.from_pretrained(path, dtype)
-    else:  # 只读形状：speedup 一层一层地读出真的权重
-        model = speedup(load_pretrained(Model, load_config(path), path, "model.", dtype, "文本模型", read=meta_tensor),
-                        path, layout, quantize)
+    else:  # 只读形状：speed_up_model 一层一层地读出真的权重
+        shapes = load_pretrained(Model, load_config(path), path, "model.", dtype, "文本模型", read=meta_tensor)
+        model = speed_up_model(shapes, path, layout, quantize)
     model.layout, model.quantized = layout, quantize
     return model
 
@@ -111,7 +111,7 @@ def load_draft(model, path=None, draft_vocab="auto") -> MTP | None:
     return mtp
 
 
-def speedup(model: Model, path, layout: str, quantize=None) -> Model:
+def speed_up_model(model: Model, path, layout: str, quantize=None) -> Model:
     """把只读了形状的 Model（meta 张量）一层一层地读出、换成 layout 的布局，返回同一个对象。"""
     kernel = None if layout == "packed" else load_matvec()
     some = model.layers[0].mlp.down_proj.weight
