@@ -83,7 +83,7 @@ def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
                 gate.wait()
                 out[i] = run(i)
 
-        calls, jobs = batcher.calls, batcher.jobs
+        calls, tasks = batcher.calls, batcher.tasks
         threads = [threading.Thread(target=member, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
@@ -91,7 +91,7 @@ def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
             t.join()
         assert out == alone[name], name
         assert name == "plain" or all(h > 0 for h in hits)  # 共用的行上真的接受了草稿
-        assert batcher.jobs - jobs >= batcher.calls - calls + 3  # 至少第一步是 4 个请求一起算的
+        assert batcher.tasks - tasks >= batcher.calls - calls + 3  # 至少第一步是 4 个请求一起算的
 
 
 def test_two_engines_share_one_model_and_leave_it_as_it_was(lively):
@@ -136,14 +136,14 @@ def test_a_long_prompt_is_read_in_its_own_short_lived_team():
 def test_the_rows_thread_keeps_its_threads_when_requests_use_one():
     """请求线程设成一个 OpenMP 线程（use_threads(1)）之后，RowBatcher 的线程算的时候仍用建它的线程的线程数：
     torch.set_num_threads 另有一个全进程的数，线程第一次并行时照它初始化，曾把 RowBatcher 的线程也变成了一个线程。"""
-    from qwen.serve.batcher import Job, RowBatcher, use_threads
+    from qwen.serve.batcher import RowBatcher, Task, use_threads
 
     batcher, seen = RowBatcher(), []
 
     def request():
         use_threads(1)
         with batcher.member():
-            seen.append(batcher.wait(Job("key", lambda key, args: [torch.get_num_threads() for _ in args], None)))
+            seen.append(batcher.wait(Task("key", lambda key, args: [torch.get_num_threads() for _ in args], None)))
         seen.append(torch.get_num_threads())
 
     worker = threading.Thread(target=request)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from ..fast.share import can_join, matvecs, sharing
-from .schedule import everyone_waits, forward_order, next_jobs
+from .schedule import everyone_waits, forward_order, next_tasks
 
 
 def use_threads(n: int) -> None:
@@ -37,7 +37,7 @@ def use_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-class Job:
+class Task:
     """一个线程交上来、等着算的一件事：key 是哪个矩阵（它的 blocks）、哪一层或哪个模型的全部层，args 是输入；
     many(key, [args, …]) 把同一个 key 的几件事一次算完，返回各自的结果；结果放进 out。"""
 
@@ -65,9 +65,9 @@ class RowBatcher:
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)  # 参与者都在等了：叫醒 step
         self.members = set()  # 参与对齐的线程
-        self.waiting = []  # 正在等的 Job，每个参与者至多一个
+        self.waiting = []  # 正在等的 Task，每个参与者至多一个
         self.calls = 0  # 统计：算了几次
-        self.jobs = 0  # 这几次一共算了几件事（几个请求的）
+        self.tasks = 0  # 这几次一共算了几件事（几个请求的）
         # OpenMP 的线程数是每个线程各自的设定：照创建它的线程（torch.set_num_threads 设过的）来
         threading.Thread(target=self.loop, args=(torch.get_num_threads(),), daemon=True, name="qwen-rows").start()
 
@@ -87,7 +87,7 @@ class RowBatcher:
 
     def share(self, key, many, args):
         """参与对齐的线程交上一件事（主模型的全部层、草稿头的一层、层外的一个矩阵），等 step 把它与别人的同一件一起算完。"""
-        return self.wait(Job(key, many, args))
+        return self.wait(Task(key, many, args))
 
     def matvec(self, kernel, x, blocks, scales):
         """层外的矩阵（在 order 里：输出头、草稿头的 fc、起草词表）与别的请求拼行；层里的（这一层没能拼时）照常乘。"""
@@ -95,14 +95,14 @@ class RowBatcher:
             return kernel.matvec(x, blocks, scales)
         return self.share(blocks, matvecs, (kernel, x, blocks, scales))
 
-    def wait(self, job: Job):
+    def wait(self, task: Task):
         with self.lock:
-            self.waiting.append(job)
+            self.waiting.append(task)
             self.ready.notify()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return job.out
+        task.done.wait()
+        if task.error is not None:
+            raise task.error
+        return task.out
 
     def loop(self, threads: int):
         use_threads(threads)  # OpenMP 的线程数是每个线程各自的设定
@@ -115,20 +115,20 @@ class RowBatcher:
         with self.lock:
             while not everyone_waits(self.waiting, self.members):
                 self.ready.wait()
-            jobs = next_jobs(self.waiting, self.order)
-            self.waiting = [j for j in self.waiting if j.key is not jobs[0].key]
+            tasks = next_tasks(self.waiting, self.order)
+            self.waiting = [j for j in self.waiting if j.key is not tasks[0].key]
         try:
             with torch.inference_mode():
-                outs = jobs[0].many(jobs[0].key, [j.args for j in jobs])
-            for job, out in zip(jobs, outs):
-                job.out = out
+                outs = tasks[0].many(tasks[0].key, [j.args for j in tasks])
+            for task, out in zip(tasks, outs):
+                task.out = out
             self.calls += 1
-            self.jobs += len(jobs)
+            self.tasks += len(tasks)
         except Exception as e:
-            for job in jobs:
-                job.error = e
-        for job in jobs:
-            job.done.set()
+            for task in tasks:
+                task.error = e
+        for task in tasks:
+            task.done.set()
 
 
 def row_batcher(model, mtp=None) -> RowBatcher | None:

@@ -4,7 +4,7 @@
 一步（batcher.py 的 RowBatcher.step）：
 - 什么时候走：参与对齐的线程（正在生成的请求）都交上了一件事（everyone_waits）。没交的请求还在算自己的嵌入、采样这些
   每个 token 一次的小事，等它一下，它的行就能拼进来；
-- 算哪一件：前向顺序里最靠前的那一件（next_jobs；顺序见 forward_order），交了它的几个请求一起算。走在前面的请求等一等
+- 算哪一件：前向顺序里最靠前的那一件（next_tasks；顺序见 forward_order），交了它的几个请求一起算。走在前面的请求等一等
   落在后面的，几步之后大家走到同一处，之后就一直一起走。若每步把各人等着的都算掉，中途加入的请求永远与别人错开几层，
   一次也拼不上。草稿头的几件事排在主模型之前：起草的请求先把草稿头算完，再与别人在主模型会合、一起验证；排在主模型之后
   的话，只要别的请求还在一个接一个 token 地解码（总在主模型那里等着），起草的请求就一直轮不到。
@@ -53,7 +53,7 @@ def everyone_waits(waiting: list, members: set) -> bool:
     return bool(waiting) and len(waiting) >= len(members)
 
 
-def next_jobs(waiting: list, order: dict) -> list:
+def next_tasks(waiting: list, order: dict) -> list:
     """这一步算哪几件：前向顺序（order：id(key) → 先后）里最靠前的那一件，连同别的请求交的同一件（同一个 key）。"""
     first = min(waiting, key=lambda j: order.get(id(j.key), len(order)))
     return [j for j in waiting if j.key is first.key]
