@@ -346,9 +346,10 @@ def fake_matvec(x, blocks, scales):
     return x.new_empty(x.shape[0], blocks.shape[0] * BLOCK)
 
 
-# 测试用：在这台机器上把内核编成更窄的向量（-march=native 给的是最宽的那种）。FMA 的几种宽度逐位相同
-NARROWER = {"AVX-512": ["-mno-avx512vnni", "-mno-avx512bf16"], "AVX2": ["-mno-avx512f", "-mno-avxvnni"],
-            "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avxvnni"]}
+# 测试用：在这台机器上把内核编成更窄的向量（-march=native 给的是最宽的那种）。FMA 的几种宽度逐位相同。
+# AVX2 VNNI（Alder Lake 一类：int4 的点积是 256 位的 vpdpbusd）只在有 AVX-VNNI 的机器上编得出来
+NARROWER = {"AVX-512": ["-mno-avx512vnni", "-mno-avx512bf16"], "AVX2 VNNI": ["-mno-avx512f"],
+            "AVX2": ["-mno-avx512f", "-mno-avxvnni"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avxvnni"]}
 
 
 def load_kernel(cxx: str, flags=FLAGS) -> Kernel:
