@@ -73,64 +73,105 @@ void chunk_part(const float* q, int64_t g, const float* k, const float* v, int64
 
 }  // namespace
 
-extern "C" {
+// 一个注意力层的常量与形状（kernel.py 的 AttentionParams，layers.py 换布局时填一次；layer.cpp 的 Layer 里也有一份）
+struct Attention {
+  const float *q_scale, *k_scale;  // q_norm、k_norm 的 1 + w [D]
+  float eps;                       // q_norm、k_norm 的 eps
+  int64_t H, Hkv, D;               // 查询头、键值头、头的维数（H = 0：这一层不走这里）
+};
 
-// qkv：B 行、各 T 个相继位置的投影（模型的 dtype，qkv_bf16 时 bfloat16），第 (b, t) 个在 qkv + (b·T + t)·ld：
-// q（连同门）[H, 2D]、k [Hkv, D]、v [Hkv, D]。cos、sin [T, rot]（第 b 行从 b·cs_b 起：批里每行自己的位置时 cs_b = T·rot）。
-// q_scale、k_scale [D]：q_norm、k_norm 的 1 + w。k_buf、v_buf [B, Hkv, cap, D] float32：前 length 个位置是缓存，这 T 个
-// 写在其后（调用的人已留够位置）。out [B, T, H·D] float32：乘过输出门的注意力结果（o_proj 之前）
-void attention_step(const void* qkv, int64_t qkv_bf16, int64_t ld, int64_t B, int64_t T, const float* cos, const float* sin,
-                    int64_t cs_b, int64_t rot, const float* q_scale, const float* k_scale, float eps, float* k_buf,
-                    float* v_buf, int64_t cap, int64_t length, int64_t H, int64_t Hkv, int64_t D, float* out) {
-  const int64_t g = H / Hkv, BT = B * T;
-  std::vector<float> q(BT * H * D), gate(BT * H * D), raw(std::max(H, Hkv) * D);
-  for (int64_t bt = 0; bt < BT; ++bt) {  // 归一化、RoPE；k、v 写进缓存
-    const int64_t b = bt / T, t = bt % T, row = bt * ld;
-    const float *c = cos + b * cs_b + t * rot, *s = sin + b * cs_b + t * rot;
+namespace {
+
+// 一次调用的输入与缓存：qkv 的第 (b, t) 个在 qkv + (b·T + t)·ld；cos、sin 的第 b 行从 b·cs_b 起，每个位置 rot 个；
+// k_buf、v_buf [B, Hkv, cap, D]，前 length 个位置已在缓存里
+struct Call {
+  const void* qkv;
+  bool bf16;
+  int64_t ld, B, T;
+  const float *cos, *sin;
+  int64_t cs_b, rot;
+  float *k_buf, *v_buf;
+  int64_t cap, length;
+};
+
+// 一、每个位置：q 与门分开，q、k 各自 RMSNorm 再转 RoPE，k、v 写进缓存 → q [B·T, H, D]、gate [B·T, H, D]
+void prepare(const Attention& p, const Call& c, float* q, float* gate) {
+  const int64_t H = p.H, Hkv = p.Hkv, D = p.D;
+  std::vector<float> raw(std::max(H, Hkv) * D);
+  for (int64_t bt = 0; bt < c.B * c.T; ++bt) {
+    const int64_t b = bt / c.T, t = bt % c.T, row = bt * c.ld;
+    const float *cs = c.cos + b * c.cs_b + t * c.rot, *sn = c.sin + b * c.cs_b + t * c.rot;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) {
-        raw[h * D + d] = value(qkv, qkv_bf16, row + h * 2 * D + d);
-        gate[(bt * H + h) * D + d] = value(qkv, qkv_bf16, row + h * 2 * D + D + d);
+        raw[h * D + d] = value(c.qkv, c.bf16, row + h * 2 * D + d);
+        gate[(bt * H + h) * D + d] = value(c.qkv, c.bf16, row + h * 2 * D + D + d);
       }
-    rms_norm(raw.data(), H, D, q_scale, eps, q.data() + bt * H * D);
-    for (int64_t h = 0; h < H; ++h) rope(q.data() + (bt * H + h) * D, c, s, rot);
-    for (int64_t i = 0; i < Hkv * D; ++i) raw[i] = value(qkv, qkv_bf16, row + H * 2 * D + i);
+    rms_norm(raw.data(), H, D, p.q_scale, p.eps, q + bt * H * D);
+    for (int64_t h = 0; h < H; ++h) rope(q + (bt * H + h) * D, cs, sn, c.rot);
+    for (int64_t i = 0; i < Hkv * D; ++i) raw[i] = value(c.qkv, c.bf16, row + H * 2 * D + i);
     for (int64_t h = 0; h < Hkv; ++h) {
-      float* kd = k_buf + ((b * Hkv + h) * cap + length + t) * D;
-      rms_norm(raw.data() + h * D, 1, D, k_scale, eps, kd);
-      rope(kd, c, s, rot);
-      for (int64_t d = 0; d < D; ++d)
-        v_buf[((b * Hkv + h) * cap + length + t) * D + d] = value(qkv, qkv_bf16, row + H * 2 * D + Hkv * D + h * D + d);
+      const int64_t at = ((b * Hkv + h) * c.cap + c.length + t) * D;  // 这个位置在缓存里的地方
+      rms_norm(raw.data() + h * D, 1, D, p.k_scale, p.eps, c.k_buf + at);
+      rope(c.k_buf + at, cs, sn, c.rot);
+      for (int64_t d = 0; d < D; ++d) c.v_buf[at + d] = value(c.qkv, c.bf16, row + H * 2 * D + Hkv * D + h * D + d);
     }
   }
-  // 第 (b, t) 个查询看前 length + t + 1 个位置，分成 CHUNK 个一段；(b, t, 键值头, 段) 分给各个线程
-  const int64_t most = (length + T + CHUNK - 1) / CHUNK;
-  std::vector<float> parts(BT * Hkv * most * g * (2 + D));
-  const int64_t items = BT * Hkv * most;
+}
+
+// 二、第 (b, t) 个查询看前 length + t + 1 个位置，分成 CHUNK 个一段；(b, t, 键值头, 段) 分给各个线程，
+// 每段写下 g 个查询头的 (m, s, 加权的 v)：parts [B·T, Hkv, most, g, 2 + D]
+void attend_chunks(const Attention& p, const Call& c, const float* q, int64_t most, float* parts) {
+  const int64_t g = p.H / p.Hkv, D = p.D, items = c.B * c.T * p.Hkv * most;
 #pragma omp parallel for schedule(dynamic) if (items >= 4)
   for (int64_t i = 0; i < items; ++i) {
-    const int64_t bt = i / (Hkv * most), h = i / most % Hkv, c = i % most, L = length + bt % T + 1;
-    if (c * CHUNK >= L) continue;
-    const int64_t at = ((bt / T) * Hkv + h) * cap * D;
-    chunk_part(q.data() + (bt * H + h * g) * D, g, k_buf + at, v_buf + at, c * CHUNK, std::min(L, (c + 1) * CHUNK), D,
-               parts.data() + i * g * (2 + D));
+    const int64_t bt = i / (p.Hkv * most), h = i / most % p.Hkv, k = i % most, L = c.length + bt % c.T + 1;
+    if (k * CHUNK >= L) continue;
+    const int64_t at = ((bt / c.T) * p.Hkv + h) * c.cap * D;
+    chunk_part(q + (bt * p.H + h * g) * D, g, c.k_buf + at, c.v_buf + at, k * CHUNK, std::min(L, (k + 1) * CHUNK), D,
+               parts + i * g * (2 + D));
   }
-  for (int64_t bt = 0; bt < BT; ++bt)  // 按段的顺序合起来，乘输出门
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t n = (length + bt % T + CHUNK) / CHUNK;  // 这个查询用到的段数
-      const float* first = parts.data() + ((bt * Hkv + h / g) * most * g + h % g) * (2 + D);
-      auto part = [&](int64_t c) { return first + c * g * (2 + D); };
+}
+
+// 三、每个查询头按段的顺序合起来（在线 softmax），再乘输出门 sigmoid(gate) → out [B·T, H, D]
+void merge(const Attention& p, const Call& c, const float* parts, int64_t most, const float* gate, float* out) {
+  const int64_t g = p.H / p.Hkv, D = p.D;
+  std::vector<float> o(D);
+  for (int64_t bt = 0; bt < c.B * c.T; ++bt)
+    for (int64_t h = 0; h < p.H; ++h) {
+      const int64_t n = (c.length + bt % c.T + CHUNK) / CHUNK;  // 这个查询用到的段数
+      const float* first = parts + ((bt * p.Hkv + h / g) * most * g + h % g) * (2 + D);
+      auto part = [&](int64_t k) { return first + k * g * (2 + D); };
       float m = part(0)[0], total = 0.0f;
-      for (int64_t c = 1; c < n; ++c) m = std::max(m, part(c)[0]);
-      std::vector<float> o(D, 0.0f);
-      for (int64_t c = 0; c < n; ++c) {
-        const float w = std::exp(part(c)[0] - m);
-        total += part(c)[1] * w;
-        for (int64_t d = 0; d < D; ++d) o[d] += part(c)[2 + d] * w;
+      for (int64_t k = 1; k < n; ++k) m = std::max(m, part(k)[0]);
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t k = 0; k < n; ++k) {
+        const float w = std::exp(part(k)[0] - m);
+        total += part(k)[1] * w;
+        for (int64_t d = 0; d < D; ++d) o[d] += part(k)[2 + d] * w;
       }
-      const float* gt = gate.data() + (bt * H + h) * D;
-      float* y = out + (bt * H + h) * D;
+      const float* gt = gate + (bt * p.H + h) * D;
+      float* y = out + (bt * p.H + h) * D;
       for (int64_t d = 0; d < D; ++d) y[d] = o[d] / total * (1.0f / (1.0f + std::exp(-gt[d])));
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 注意力层 B 行、各 T 个相继的位置，三步：prepare（归一化、RoPE、写缓存）、attend_chunks（分段的注意力）、merge（合起来、
+// 乘输出门）。qkv：投影（模型的 dtype，qkv_bf16 时 bfloat16），第 (b, t) 个在 qkv + (b·T + t)·ld：q（连同门）[H, 2D]、
+// k [Hkv, D]、v [Hkv, D]。cos、sin [T, rot]（第 b 行从 b·cs_b 起：批里每行自己的位置时 cs_b = T·rot）。k_buf、v_buf
+// [B, Hkv, cap, D] float32：前 length 个位置是缓存，这 T 个写在其后（调用的人已留够位置）。out [B, T, H·D] float32：
+// 乘过输出门的注意力结果（o_proj 之前）
+void attention_step(const Attention* p, const void* qkv, int64_t qkv_bf16, int64_t ld, int64_t B, int64_t T,
+                    const float* cos, const float* sin, int64_t cs_b, int64_t rot, float* k_buf, float* v_buf, int64_t cap,
+                    int64_t length, float* out) {
+  const Call c{qkv, qkv_bf16 != 0, ld, B, T, cos, sin, cs_b, rot, k_buf, v_buf, cap, length};
+  const int64_t most = (length + T + CHUNK - 1) / CHUNK;  // 最长的那个查询用到的段数
+  std::vector<float> q(B * T * p->H * p->D), gate(q.size()), parts(B * T * p->Hkv * most * (p->H / p->Hkv) * (2 + p->D));
+  prepare(*p, c, q.data(), gate.data());
+  attend_chunks(*p, c, q.data(), most, parts.data());
+  merge(*p, c, parts.data(), most, gate.data(), out);
 }
 }

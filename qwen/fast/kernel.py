@@ -102,8 +102,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "mlp_block": [PTR, PTR, PTR, I64],
     "delta_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR],
     "attention_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, I64, I64, PTR, PTR, I64, I64],
-    "attention_step": [PTR, I64, I64, I64, I64, PTR, PTR, I64, I64, PTR, PTR, ctypes.c_float, PTR, PTR, I64, I64,
-                       I64, I64, I64, PTR],
+    "attention_step": [PTR, PTR, I64, I64, I64, I64, PTR, PTR, I64, I64, PTR, PTR, I64, I64, PTR],
 }
 
 
@@ -119,13 +118,19 @@ class DeltaNetParams(ctypes.Structure):
                 ("Hk", I64), ("Hv", I64), ("Dk", I64), ("Dv", I64), ("K", I64)]
 
 
+class AttentionParams(ctypes.Structure):
+    """attention.cpp 的 Attention：一个注意力层的 q_norm、k_norm 的 1 + w（指针）与 eps、查询头、键值头、头的维数
+    （H = 0：这一层不走 attention.cpp）。"""
+    _fields_ = [("q_scale", PTR), ("k_scale", PTR), ("eps", ctypes.c_float), ("H", I64), ("Hkv", I64), ("D", I64)]
+
+
 class LayerParams(ctypes.Structure):
     """layer.cpp 的 Layer：一个解码层的常量（layers.py 的 layer_params 填一次）。指针指向层里的张量：层在，它们就在。"""
     F32 = ctypes.c_float
-    _fields_ = [("bf16", I64), ("hidden", I64), ("inter", I64), ("eps1", F32), ("eps2", F32), ("gate_eps", F32),
+    _fields_ = [("bf16", I64), ("hidden", I64), ("inter", I64), ("eps1", F32), ("eps2", F32),
                 ("norm1", PTR), ("norm2", PTR), ("in_proj", Lin), ("out_proj", Lin), ("gate_up", Lin), ("down", Lin),
                 ("delta", DeltaNetParams),
-                ("q_scale", PTR), ("k_scale", PTR), ("H", I64), ("Hkv", I64), ("D", I64)]
+                ("attn", AttentionParams)]
 
 
 class Kernel:
@@ -246,11 +251,12 @@ class Kernel:
         attention_layer → 乘过输出门的结果 [B, T, H·D] float32。"""
         B, T, _ = qkv.shape
         qkv = qkv if qkv.stride(-1) == 1 and qkv.stride(0) == T * qkv.stride(1) else qkv.contiguous()
-        out, (cos, sin) = torch.empty(B, T, params.H * params.D), (t.float().contiguous() for t in (cos, sin))
-        self.lib.attention_step(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(1), B, T, cos.data_ptr(),
-                                sin.data_ptr(), T * cos.shape[-1] if cos.dim() == 3 else 0, cos.shape[-1], params.q_scale,
-                                params.k_scale, params.gate_eps, state.k_buf.data_ptr(), state.v_buf.data_ptr(),
-                                state.k_buf.shape[2], state.length, params.H, params.Hkv, params.D, out.data_ptr())
+        a = params.attn
+        out, (cos, sin) = torch.empty(B, T, a.H * a.D), (t.float().contiguous() for t in (cos, sin))
+        self.lib.attention_step(ctypes.byref(a), qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(1), B, T,
+                                cos.data_ptr(), sin.data_ptr(), T * cos.shape[-1] if cos.dim() == 3 else 0, cos.shape[-1],
+                                state.k_buf.data_ptr(), state.v_buf.data_ptr(), state.k_buf.shape[2], state.length,
+                                out.data_ptr())
         return out
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -25,6 +25,13 @@ struct DeltaNet {
   int64_t Hk, Hv, Dk, Dv, K;                       // 键头、值头、各自的维数、卷积核长
 };
 
+// 一个注意力层的常量与形状：与 attention.cpp 的同一个定义（kernel.py 的 AttentionParams）
+struct Attention {
+  const float *q_scale, *k_scale;  // q_norm、k_norm 的 1 + w [D]
+  float eps;                       // q_norm、k_norm 的 eps
+  int64_t H, Hkv, D;               // 查询头、键值头、头的维数（H = 0：这一层不走这里）
+};
+
 extern "C" {  // 别的源文件里的入口
 void rms_norm(const float* x, int64_t rows, int64_t D, const float* scale, float eps, float* y);
 void matvec_f32(const float* x, int64_t, int64_t M, int64_t n_in, const float* w, const float*, void* y, int64_t B, int64_t y_bf16);
@@ -39,9 +46,9 @@ void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, vo
 #endif
 void deltanet_step(const DeltaNet* p, const float* proj, int64_t sb, int64_t ld, int64_t B, int64_t T, const float* conv,
                    float* conv_out, float* S, float* const* history, float* out);
-void attention_step(const void* qkv, int64_t qkv_bf16, int64_t ld, int64_t B, int64_t T, const float* cos, const float* sin,
-                    int64_t cs_b, int64_t rot, const float* q_scale, const float* k_scale, float eps, float* k_buf,
-                    float* v_buf, int64_t cap, int64_t length, int64_t H, int64_t Hkv, int64_t D, float* out);
+void attention_step(const Attention* p, const void* qkv, int64_t qkv_bf16, int64_t ld, int64_t B, int64_t T,
+                    const float* cos, const float* sin, int64_t cs_b, int64_t rot, float* k_buf, float* v_buf, int64_t cap,
+                    int64_t length, float* out);
 }
 
 namespace {
@@ -56,12 +63,11 @@ struct Lin {
 // 一层的常量（kernel.py 的 LayerParams，换布局之后填一次）：bf16 是模型的 dtype 是不是 bfloat16
 struct Layer {
   int64_t bf16, hidden, inter;
-  float eps1, eps2, gate_eps;  // gate_eps：注意力层的 q_norm、k_norm
+  float eps1, eps2;            // 两个 RMSNorm 的 eps
   const float *norm1, *norm2;  // 两个 RMSNorm 的 1 + w
   Lin in_proj, out_proj, gate_up, down;
-  DeltaNet delta;                  // DeltaNet 层的常量与形状（注意力层不用）
-  const float *q_scale, *k_scale;  // 注意力层（in_proj、out_proj 是 qkv 与 o_proj）：q_norm、k_norm 的 1 + w
-  int64_t H, Hkv, D;               // 查询头、键值头、头的维数（H = 0：这一层不走 attention.cpp）
+  DeltaNet delta;  // DeltaNet 层的常量与形状（注意力层不用）
+  Attention attn;  // 注意力层的（in_proj、out_proj 是 qkv 与 o_proj；attn.H = 0：这一层不走 attention.cpp）
 };
 
 inline float bf16_value(uint16_t h) {
@@ -231,9 +237,8 @@ void attention_layer(const Layer* lp, const float* x, float* out, int64_t B, int
   const int64_t M = B * T;
   Rows h = normed(x, M, p.hidden, p.norm1, p.eps1, p.bf16);
   Rows qkv = linear(p.in_proj, h, M);
-  std::vector<float> o(M * p.H * p.D);
-  attention_step(qkv.data(), qkv.bf16, p.in_proj.n_out, B, T, cos, sin, cs_b, rot, p.q_scale, p.k_scale, p.gate_eps,
-                 k_buf, v_buf, cap, length, p.H, p.Hkv, p.D, o.data());
+  std::vector<float> o(M * p.attn.H * p.attn.D);
+  attention_step(&p.attn, qkv.data(), qkv.bf16, p.in_proj.n_out, B, T, cos, sin, cs_b, rot, k_buf, v_buf, cap, length, o.data());
   mixer_out(p, x, o, M, out);
 }
 }

@@ -25,7 +25,7 @@ from ..layer import DecoderLayer
 from ..mlp import MLP
 from ..norm import RMSNorm, rms
 from ..model import Model
-from .kernel import DeltaNetParams, LayerParams, Lin
+from .kernel import AttentionParams, DeltaNetParams, LayerParams, Lin
 from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
 from .share import can_share, current, layer_many
@@ -288,7 +288,7 @@ class FastDecoderLayer(DecoderLayer):
             return super().forward(x, cos, sin, state, valid)
         if self.layer_type == "linear_attention" and state is not None and valid is None:
             return self.linear_attn.whole_layer(self, x, state)
-        if self.layer_type == "full_attention" and self.block.H and self.self_attn.can_step(state, valid):
+        if self.layer_type == "full_attention" and self.block.attn.H and self.self_attn.can_step(state, valid):
             return self.self_attn.whole_layer(self, x, cos, sin, state)
         x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
         return self.mlp.down_proj.kernel.mlp_block(self.block, x)
@@ -345,9 +345,9 @@ def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
         p.delta = mixer.step_params
     elif attention_fits(layer.self_attn):
         a = layer.self_attn
-        p.in_proj, p.out_proj, p.gate_eps = lin(a.qkv), lin(a.o_proj), a.q_norm.eps
-        p.q_scale, p.k_scale = a.q_norm.scale.data_ptr(), a.k_norm.scale.data_ptr()
-        p.H, p.Hkv, p.D = a.num_heads, a.num_kv_heads, a.head_dim
+        p.in_proj, p.out_proj = lin(a.qkv), lin(a.o_proj)
+        p.attn = AttentionParams(a.q_norm.scale.data_ptr(), a.k_norm.scale.data_ptr(), a.q_norm.eps, a.num_heads,
+                                 a.num_kv_heads, a.head_dim)
     return p
 
 

@@ -94,7 +94,7 @@ def layer_many(layer, parts):
     else:
         mixer, out_proj = layer.self_attn, layer.self_attn.o_proj
         qkv = apart(mixer.qkv.matvec(h), sizes)
-        outs = [mixer.step(block, y, cos, sin, state) if block is not None and block.H and mixer.can_step(state, None)
+        outs = [mixer.step(block, y, cos, sin, state) if block is not None and block.attn.H and mixer.can_step(state, None)
                 else mixer.mix(*y.split(mixer.qkv_sizes, dim=-1), cos, sin, state)
                 for y, (_, cos, sin, state) in zip(qkv, parts)]
     x = x + out_proj.matvec(join(outs).to(layer.dtype)).float()
