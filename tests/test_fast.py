@@ -735,3 +735,21 @@ def test_long_prompt_convolution_in_cpp_equals_the_chapter():
             got, got_full = fast.causal_conv(x, state)
             want, want_full = plain.causal_conv(x, state)
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-6) and torch.equal(got_full[:, -3:], want_full[:, -3:])
+
+
+def test_the_structs_shared_by_two_sources_are_written_the_same():
+    """DeltaNet、Attention 两个结构各写在两处（deltanet.cpp / attention.cpp 与 layer.cpp，各自编译）：一字不差，ctypes 的
+    DeltaNetParams、AttentionParams 与它们逐个字段同名、同序。"""
+    import re
+    from pathlib import Path
+
+    from qwen.fast.kernel import AttentionParams, DeltaNetParams
+
+    src = Path(__file__).resolve().parents[1] / "qwen/fast"
+    layer = (src / "layer.cpp").read_text()
+    for name, own, params in (("DeltaNet", "deltanet.cpp", DeltaNetParams), ("Attention", "attention.cpp", AttentionParams)):
+        pattern = re.compile(r"struct %s \{\n(.*?)\n\};" % name, re.S)
+        body = pattern.search((src / own).read_text()).group(1)
+        assert pattern.search(layer).group(1) == body, name
+        fields = re.findall(r"(\w+)(?=[,;])", re.sub(r"//.*", "", body))
+        assert fields == [f for f, _ in params._fields_], (name, fields)

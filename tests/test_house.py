@@ -15,6 +15,7 @@ README 说“各章是普通的 torch 模块，只引用前面的章节。附录
 """
 
 import ast
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -193,10 +194,12 @@ def test_reading_the_chapters_loads_no_appendix():
 
 
 def test_every_chapter_has_its_tests_under_its_name():
-    """学习者按章名找测试：第 N 章 qwen/X.py 的测试在 tests/test_X.py，那个文件开头说它是第几章、测什么。"""
+    """学习者按章名找测试：第 N 章 qwen/X.py 的测试在 tests/test_X.py，那个文件开头写着“第 N 章 X.py”（N 与那一章自己
+    开头写的相同）。"""
     here = Path(__file__).parent
-    for i, name in enumerate(CHAPTERS):
+    for name in CHAPTERS:
         path = here / f"test_{name}.py"
-        assert path.is_file(), f"第 {name} 章没有 tests/test_{name}.py"
+        assert path.is_file(), f"qwen/{name}.py 没有 tests/test_{name}.py"
+        number = re.match(r"第 (\d+) 章", ast.get_docstring(ast.parse((ROOT / "qwen" / f"{name}.py").read_text()))).group(1)
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        assert doc.startswith("第 ") and f"{name}.py" in doc.split("：")[0], f"{path.name} 的开头没说它是哪一章：{doc[:40]!r}"
+        assert doc.startswith(f"第 {number} 章 {name}.py："), f"{path.name} 的开头应是“第 {number} 章 {name}.py：”：{doc[:40]!r}"

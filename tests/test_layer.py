@@ -13,4 +13,4 @@ def test_decoder_layer_equals_the_reference(tiny, tiny_model, kind):
     hf = tiny[1].model
     ref = hf.layers[i](x, position_embeddings=hf.rotary_emb(x, torch.arange(6)[None]))
     got = tiny_model.layers[i](x, *rope_tables(tiny_model.cfg, torch.arange(6)))
-    assert tiny_model.layers[i].layer_type == kind and (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()

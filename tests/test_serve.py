@@ -110,13 +110,26 @@ def test_two_engines_share_one_model_and_leave_it_as_it_was(lively):
 
     before = attributes()
     engines = [Engine(model, mtp, slots=2, cache_mb=8) for _ in range(2)]
-    assert engines[0].batcher is not engines[1].batcher and current() is ALONE
+    assert engines[0].batcher is not engines[1].batcher
     chat = Chat(model)
     prompts = [chat.encode(chat.prompt([{"role": "user", "content": q}])) for q in QUESTIONS[:4]]
     requests = [engines[i % 2].submit(Request(p[0].tolist(), 12, list(chat.stop))) for i, p in enumerate(prompts)]
     assert [list(r.events(timeout=120)) for r in requests] == [generate(model, p, 12, chat.stop) for p in prompts]
     assert all(e.batcher.calls > 0 for e in engines)  # 两个引擎的请求都经过了各自的 RowBatcher
-    assert attributes() == before and current() is ALONE
+    assert attributes() == before
+    seen = []
+
+    def member():  # 一个线程在 member() 之内问到的是这个引擎的 RowBatcher，出来之后又是 ALONE
+        with engines[0].batcher.member():
+            seen.append(current())
+        seen.append(current())
+
+    worker = threading.Thread(target=member)
+    worker.start()
+    worker.join()
+    assert seen == [engines[0].batcher, ALONE]
+    for e in engines:
+        e.close()
 
 
 def test_a_long_prompt_is_read_in_its_own_short_lived_team():

@@ -113,7 +113,7 @@ class Lin(ctypes.Structure):
 
 class DeltaNetParams(ctypes.Structure):
     """deltanet.cpp 的 DeltaNet：一个 DeltaNet 层的四个常量（指针：卷积核 [K, C]、−exp(A_log)、dt_bias、门控 RMSNorm 的
-    权重）、门控 RMSNorm 的 eps 与形状（layers.py 的 delta_params 填一次）。"""
+    权重）、门控 RMSNorm 的 eps 与形状（layers.py 的 speed_up_layer 填一次）。"""
     _fields_ = [("conv_w", PTR), ("neg_A", PTR), ("dt_bias", PTR), ("norm_w", PTR), ("eps", ctypes.c_float),
                 ("Hk", I64), ("Hv", I64), ("Dk", I64), ("Dv", I64), ("K", I64)]
 

@@ -180,7 +180,7 @@ class FastAttention(Attention):
 class FastDeltaNet(GatedDeltaNet):
     step_kernel = None  # 分块布局的层（speed_up_layer 挂上 Kernel）：解码、验证草稿时用 deltanet.cpp 逐个位置地算
     step_consts = None  # 它要的四个常量，换布局时算好一次：卷积核 [K, C]、−exp(A_log)、dt_bias、门控 RMSNorm 的权重
-    step_params = None  # deltanet.cpp 的 DeltaNet：指向这四个常量，再加 eps 与形状（kernel.py 的 DeltaNetParams）
+    step_params = None  # deltanet.cpp 的 DeltaNet：指向这四个常量（换 step_consts 就要一起换），再加 eps 与形状
 
     def forward(self, x, state=None, valid=None, rule=recurrent_gated_delta_rule):
         """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导、没有左填充）且有 C++ 内核时交给 step；其余照第 7 章。"""
@@ -282,7 +282,7 @@ class FastDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, state=None, valid=None):
         """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导）且有 layer.cpp 的常量时：有缓存、没有左填充就整层
         一次 C 调用（两种混合器的 whole_layer），否则混合器照第 9 章、MLP 那一半一次 C 调用（mlp_block）；其余照第 9 章。"""
-        if can_share(x, state, valid) and (partner := current()).shares:  # 服务时草稿头的一层：与别的请求拼（share.py）
+        if (partner := current()).takes(self) and can_share(x, state, valid):  # 服务时草稿头的一层：与别人拼（share.py）
             return partner.share(self, layer_many, (x, cos, sin, state))
         if self.block is None or x.shape[1] > STEP_ROWS or torch.is_grad_enabled():
             return super().forward(x, cos, sin, state, valid)

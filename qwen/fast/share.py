@@ -10,11 +10,12 @@ CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）�
 - 草稿头的一层（layers.py 的 FastDecoderLayer.forward）；
 - 层外的一个矩阵乘法（linear.py 的 BlockedLinear.matvec：输出头、草稿头的 fc 与起草词表的那几行）。
 默认的回答是 ALONE：自己算，与没有这个约定时一模一样。服务器的 RowBatcher（qwen/serve/batcher.py）是另一种回答：
-把这件事交给它的线程，等它把几个请求交上的同一件事一次算完（share）。两者是同样的三样东西：shares、share、matvec。
+把这件事交给它的线程，等它把几个请求交上的同一件事一次算完（share）。两者是同样的三样东西：takes、share、matvec。
 
-回答由运行请求的一方传下来：`with sharing(batcher):` 之内，这个线程的前向都问它。章节的 stream、stream_mtp 不带这个
-参数（章节不知道附录），所以它像 torch.inference_mode() 那样随线程走（contextvars：每个线程各有一份，新开的线程从
-ALONE 开始）。模型本身不被改动：同一个模型可以同时给几个线程、几个引擎用。
+回答由运行请求的一方传下来：`with sharing(partner):` 之内（服务器的请求线程在 RowBatcher.member() 之内，它就是这样设的），
+这个线程的前向都问它。章节的 stream、stream_mtp 不带这个参数（章节不知道附录），所以它像 torch.inference_mode() 那样
+随线程走（contextvars）。另开的线程要自己算时写明 `with sharing(ALONE):`（服务器读长提示词的线程就这样）：有的 Python
+（自由线程的 3.14）让新线程继承开它的线程的设置。模型本身不被改动：同一个模型可以同时给几个线程、几个引擎用。
 """
 
 from contextlib import contextmanager
@@ -26,9 +27,11 @@ from .sizes import STEP_ROWS
 
 
 class Alone:
-    """默认：一个请求自己算。shares 为 False：调用方照自己的路走（比如一层一次 C 调用，比拼行的逐个运算快）。"""
+    """默认：一个请求自己算。什么也不接（takes 为 False）：调用方照自己的路走（比如一层一次 C 调用，比拼行的逐个运算快）。"""
 
-    shares = False
+    def takes(self, key) -> bool:
+        """这件事（key：模型、层）交不交给 share。"""
+        return False
 
     def share(self, key, many, args):
         """一件事（key 是哪个模型、哪一层、哪个矩阵）：many(key, [args, …]) 一次算完几份、返回各自的结果。自己算就是一份。"""

@@ -87,8 +87,8 @@ class FastModel(PackedModel):
 
     def run_layers(self, x, cos, sin, state=None, valid=None):
         """服务时能与别的请求拼在一起的一次前向（share.py 的 can_share）：全部解码层是一件事，交给这个线程的伙伴
-        （RowBatcher：它的线程把这时在等的几个请求的全部层一次算完，layers_many）。默认（ALONE）照 PackedModel 自己算。"""
-        if can_share(x, state, valid) and (partner := current()).shares:
+        （RowBatcher：它的线程把这时在等的几个请求的全部层一次算完，layers_many）。默认（ALONE 不接）照 PackedModel 自己算。"""
+        if (partner := current()).takes(self) and can_share(x, state, valid):
             return partner.share(self, layers_many, (x, cos, sin, state))
         return super().run_layers(x, cos, sin, state, valid)
 

@@ -52,13 +52,11 @@ class Task:
 
 class RowBatcher:
     """让参与的线程（member 之内）的解码层与层外的 matvec 对齐：所有参与者都在等时，同一层（或同一个矩阵）的几件事
-    由 RowBatcher 自己的一个线程一次算完（loop 一步一步地走：step）。它回答 qwen/fast/share.py 的约定（shares、share、
+    由 RowBatcher 自己的一个线程一次算完（loop 一步一步地走：step）。它回答 qwen/fast/share.py 的约定（takes、share、
     matvec，与默认的 ALONE 同样的三样）；order：id(模型、层或矩阵的 blocks) → 它在前向里的先后（forward_order）。
 
     总由同一个线程来算：C++ 内核与 PyTorch 的多线程（OpenMP）每个发起的线程各有一队帮手线程，算完还要空转一会儿等下一件；
     谁最后到谁来算的话，几个请求线程的几队帮手在两个核上互相抢。"""
-
-    shares = True
 
     def __init__(self, order=None):
         self.order = order or {}  # id(blocks 或层) → 它在前向里的先后（越小越先算）
@@ -84,6 +82,10 @@ class RowBatcher:
             with self.lock:
                 self.members.discard(me)
                 self.ready.notify()  # 少了一个参与者：别人可能都在等了
+
+    def takes(self, key) -> bool:
+        """主模型的全部层、草稿头的层：前向顺序（order）里有的才接（别的模型、打包的层照常自己算）。"""
+        return id(key) in self.order
 
     def share(self, key, many, args):
         """参与对齐的线程交上一件事（主模型的全部层、草稿头的一层、层外的一个矩阵），等 step 把它与别人的同一件一起算完。"""
@@ -116,10 +118,10 @@ class RowBatcher:
             while not everyone_waits(self.waiting, self.members):
                 self.ready.wait()
             tasks = next_tasks(self.waiting, self.order)
-            self.waiting = [j for j in self.waiting if j.key is not tasks[0].key]
+            self.waiting = [t for t in self.waiting if t.key is not tasks[0].key]
         try:
             with torch.inference_mode():
-                outs = tasks[0].many(tasks[0].key, [j.args for j in tasks])
+                outs = tasks[0].many(tasks[0].key, [t.args for t in tasks])
             for task, out in zip(tasks, outs):
                 task.out = out
             self.calls += 1

@@ -23,6 +23,7 @@ from functools import partial
 import torch
 
 from ..conversation import Resume
+from ..fast.share import ALONE, sharing
 from ..logprobs import prompt_logprobs
 from ..mtp import SpecResult
 from ..sample import Sampling
@@ -242,7 +243,8 @@ def in_own_team(fn, threads: int):
     def run():
         use_threads(threads)
         try:
-            box["out"] = fn()
+            with sharing(ALONE):  # 在对齐之外：自己算（有的 Python 让新线程继承开它的线程的设置）
+                box["out"] = fn()
         except BaseException as e:  # 交回调用的线程抛出
             box["error"] = e
 
