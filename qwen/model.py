@@ -17,6 +17,7 @@ from torch import nn
 
 from .embedding import Embedding
 from .layer import DecoderLayer
+from .moe import stack_experts
 from .norm import RMSNorm
 from .rope import mrope_tables, rope_tables
 from .weights import Config, check_state_dict, find_model, load_config, load_weights
@@ -36,9 +37,7 @@ class Model(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # 共用同一个参数
 
-    @property
-    def dtype(self) -> torch.dtype:  # 权重的 dtype（bfloat16 或 float32）
-        return self.layers[0].dtype
+    dtype = property(lambda self: self.layers[0].dtype)  # 权重的 dtype（bfloat16 或 float32）
 
     def check_ids(self, ids, state) -> torch.Tensor:
         """把输入整理成 [B, T] 的 long 张量，不合法时给出清楚的错误（不做任何取整之类的默默转换）。"""
@@ -148,6 +147,7 @@ def load_pretrained(cls, cfg, path, part: str, dtype, what: str, old=None, read=
     sd = load_weights(path, part, dtype, read)
     if not sd:
         raise ValueError(f"检查点 {path} 里没有 {part}* 张量：它没有{what}")
+    sd = stack_experts(sd, cfg, f"检查点 {path} 的{what}")  # 专家按堆叠的布局（第 4 章附）
     tied = part == "model." and cfg.tie_word_embeddings  # 共用嵌入：检查点里没有 lm_head.weight
     if tied:
         sd.pop("lm_head.weight", None)

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 REPO_ID = "Qwen/Qwen3.5-0.8B"
 NEEDED_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",  # 下载时只取这些
                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"]
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # 多模态包装 / 纯文本
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # 稠密、专家混合：多模态包装 / 纯文本
 DEMO_PATH = Path(__file__).parent / "demo"  # 随包附带的小检查点（附录“训练”一章训出来的），离线也能用
 
 
@@ -52,6 +52,10 @@ class Config:
     eos_token_id: int | None = 248044
     layer_types: list[str] = field(default_factory=list)  # 每层 "linear_attention" 或 "full_attention"
     full_attention_interval: int = 4  # 没给 layer_types 时：第 i 层在 (i+1) % 4 == 0 时是全注意力
+    num_experts: int = 0  # 专家混合（第 4 章附）：每层几个专家；0 是稠密的 MLP
+    num_experts_per_tok: int = 8  # 每个 token 用几个专家（top-k）
+    moe_intermediate_size: int = 512  # 每个专家的中间宽度
+    shared_expert_intermediate_size: int = 512  # 共享专家的中间宽度
 
     def __post_init__(self):
         kinds = {"int": int, "float": (int, float), "bool": bool, "int | None": (int, type(None)), "list[str]": list, "list[int]": list}
@@ -59,7 +63,7 @@ class Config:
             v = getattr(self, f.name)
             if not isinstance(v, kinds[f.type]) or (isinstance(v, bool) and f.type != "bool"):
                 raise ValueError(f"config.json 的 {f.name} 应为 {f.type}，收到 {v!r}（{type(v).__name__}）")
-            low = 0 if f.name == "mtp_num_hidden_layers" else 1  # 个数与大小至少为 1：0 会在 torch 深处除以零
+            low = 0 if f.name in ("mtp_num_hidden_layers", "num_experts") else 1  # 至少为 1：0 会在 torch 深处除以零
             high = 1 if f.name == "partial_rotary_factor" else float("inf")  # 浮点数为正、有限；旋转的比例不超过 1
             if f.type == "int" and v < low or f.type == "float" and not (0 < v <= high and v < float("inf")):
                 raise ValueError(f"config.json 的 {f.name} 不能是 {v!r}")
@@ -70,10 +74,10 @@ class Config:
             raise ValueError(f"layer_types 有 {len(self.layer_types)} 项，但 num_hidden_layers = {self.num_hidden_layers}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads 必须是 linear_num_key_heads 的整数倍")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok = {self.num_experts_per_tok} 多于 num_experts = {self.num_experts}")
 
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)  # 0.8B：256 × 0.25 = 64
+    rotary_dim = property(lambda self: int(self.head_dim * self.partial_rotary_factor))  # 0.8B：256 × 0.25 = 64
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
@@ -90,8 +94,7 @@ class Config:
         text.update({k: rope[k] for k in ("rope_theta", "partial_rotary_factor", "mrope_section") if k in rope and k not in text})
         eos = text.get("eos_token_id", d.get("eos_token_id"))
         text["eos_token_id"] = eos[0] if isinstance(eos, list) and eos else eos
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in text.items() if k in names and v is not None})
+        return cls(**{k: v for k, v in text.items() if k in {f.name for f in fields(cls)} and v is not None})
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -139,8 +142,7 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{path} 的分片索引提到的文件不存在：{', '.join(missing)}")
         return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if files:
+    if files := sorted(path.glob("*.safetensors")):
         return files
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
         raise ValueError(f"{path} 里只有 .bin/.pt（pickle）格式的权重：pickle 能执行任意代码，本项目只读 safetensors，请换用这种格式")
@@ -168,9 +170,7 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
             prefix = next((p for p in prefixes if name.startswith(p)), None)
             if prefix is not None and (part != "model." or not name.startswith("model.visual.")):  # 视觉塔是第 15 章的
                 key = name[len(prefix):]
-            elif part == "model." and name == "lm_head.weight":
-                key = name
-            else:
+            elif (key := name) != "lm_head.weight" or part != "model.":
                 continue
             if key not in out:  # model.language_model.x 优先于 model.x
                 out[key] = (read or read_tensor)(file, name, dtype)
@@ -178,12 +178,12 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
 
 
 def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """读一个张量到自己的内存里（safetensors 给的是文件映射的视图，读过的页都算进常驻内存）：单独打开、转换或拷出、关掉。"""
+    """读一个张量到自己的内存里（safetensors 给的是文件映射的视图，读过的页都算进常驻内存）：单独打开、转换或拷出、关掉。
+    矩阵（含堆叠的专家 [E, out, in]）用 dtype，其余（范数、A_log、卷积核）用 float32。"""
     with open_safetensors(file) as f:
-        t = f.get_tensor(name)
-        if not t.is_floating_point():
+        if not (t := f.get_tensor(name)).is_floating_point():
             raise ValueError(f"{file} 里的 {name} 是 {t.dtype}：权重应是浮点张量（BF16、F16 或 F32）")
-        out = t.to(dtype or t.dtype) if t.ndim == 2 else t.float()  # 矩阵用 dtype，其余（范数、A_log 等）用 float32
+        out = t.to(dtype or t.dtype) if t.ndim == 2 or name.endswith("_proj") else t.float()
         return out.clone() if out.data_ptr() == t.data_ptr() else out
 
 

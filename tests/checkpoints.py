@@ -96,18 +96,19 @@ def randomize(module: torch.nn.Module, gen: torch.Generator, out_scale: float = 
         elif "embed_tokens" in name:  # 也是输出头：1/sqrt(hidden) 使 logits 的标准差约为 1
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
         else:
-            fan_in = math.prod(p.shape[1:])
+            fan_in = p.shape[-1]  # 矩阵 [out, in]、堆叠的专家 [E, out, in]、卷积核 [C, 1, K]
             # 写回残差流的投影小一些：像训练过的模型那样每层只微调残差，而不是把它整个打乱
-            scale = out_scale if name.split(".")[-2] in ("o_proj", "out_proj", "down_proj") else 1.0
+            scale = out_scale if {"o_proj", "out_proj", "down_proj"} & set(name.split(".")[-2:]) else 1.0
             p.copy_(torch.randn(p.shape, generator=gen) * (scale / math.sqrt(fan_in)))
 
 
 def mtp_tensors(cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """随机的 MTP 草稿头：fc、两个 pre_fc_norm、一个全注意力解码层、norm。"""
+    """随机的 MTP 草稿头：fc、两个 pre_fc_norm、一个全注意力解码层（专家混合的检查点里是专家混合层）、norm。"""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
 
     c = cfg.__class__(**{**cfg.to_dict(), "layer_types": ["full_attention"], "num_hidden_layers": 1})
-    layer = Qwen3_5DecoderLayer(c, 0)
+    layer = (Qwen3_5MoeDecoderLayer if hasattr(cfg, "num_experts") else Qwen3_5DecoderLayer)(c, 0)
     randomize(layer, gen)
     h = cfg.hidden_size
     out = {f"mtp.layers.0.{k}": v.clone() for k, v in layer.state_dict().items()}
@@ -161,6 +162,74 @@ def make_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, 
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer:
         make_tokenizer(path, min(400, cfg.vocab_size))
+    return path, hf
+
+
+# 专家混合（35B-A3B 的结构）：256 个专家、每个 token 用 8 个，只是各处都窄
+MOE_TINY = dict(TINY, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+del MOE_TINY["intermediate_size"]
+# 35B-A3B 的全部宽度（hidden 2048、256 个专家 × 512、DeltaNet 16/32 个头），只是层数少、词表小
+WIDTHS_35B = dict(vocab_size=1024, hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+                  head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+                  moe_intermediate_size=512, shared_expert_intermediate_size=512)
+
+
+def per_expert(tensors: dict, prefix: str) -> dict:
+    """名字以 prefix 开头的堆叠专家（experts.gate_up_proj [E, 2I, H]、experts.down_proj [E, H, I]）拆成按专家分开存的
+    experts.{e}.gate_proj.weight 等（35B-A3B 的 MTP 层、FP8 版的布局）。"""
+    out = {}
+    for k, v in tensors.items():
+        if k.startswith(prefix) and k.endswith("experts.gate_up_proj"):
+            base = k[: -len(".gate_up_proj")]
+            for e, w in enumerate(v):
+                gate, up = w.chunk(2)
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = gate.clone(), up.clone()
+        elif k.startswith(prefix) and k.endswith("experts.down_proj"):
+            out.update({f"{k[: -len('.down_proj')]}.{e}.down_proj.weight": w.clone() for e, w in enumerate(v)})
+        else:
+            out[k] = v
+    return out
+
+
+def make_moe_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, out_scale: float = OUT_SCALE,
+                        main_layout: str = "stacked", mtp_layout: str = "per_expert", **overrides):
+    """专家混合的随机检查点（Qwen3.5-35B-A3B 的布局）：model_type "qwen3_5_moe"，输出头不共用，主干的专家堆叠存放
+    （main_layout="per_expert"：按专家分开，像 FP8 版），MTP 层也是专家混合层、按专家分开存（mtp_layout="stacked"：
+    像 Qwen3.6）。返回 (path, transformers 的 Qwen3_5MoeForCausalLM)。"""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    kw = {**MOE_TINY, **overrides}
+    kw.setdefault("max_position_embeddings", 4096)
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    cfg = Qwen3_5MoeTextConfig(**kw, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=rope,
+                               eos_token_id=kw["vocab_size"] - 1)
+    torch.manual_seed(seed)
+    hf = Qwen3_5MoeForCausalLM(cfg).float().eval()
+    randomize(hf, gen, out_scale)
+    tensors = {}
+    for k, v in hf.state_dict().items():
+        keep32 = k.endswith("A_log") or k.endswith("linear_attn.norm.weight")
+        name = k if k == "lm_head.weight" else "model.language_model." + k[len("model."):]
+        tensors[name] = v.to(torch.float32 if keep32 else dtype).contiguous()
+    if main_layout == "per_expert":
+        tensors = per_expert(tensors, "model.")
+    if mtp:
+        more = {k: v.to(dtype) for k, v in mtp_tensors(cfg, gen).items()}
+        tensors.update(per_expert(more, "mtp.") if mtp_layout == "per_expert" else more)
+    save_shards(path, tensors)
+    text = cfg.to_dict()
+    text.update(model_type="qwen3_5_moe_text", mtp_num_hidden_layers=1,
+                dtype="float32" if dtype == torch.float32 else "bfloat16")
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "tie_word_embeddings": False, "text_config": text,
+              "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 16}}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    make_tokenizer(path, min(400, cfg.vocab_size))
     return path, hf
 
 
