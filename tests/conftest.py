@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from checkpoints import WIDTHS_08B, make_checkpoint
+from checkpoints import WIDTHS_08B, make_checkpoint, make_moe_checkpoint
 
 torch.set_num_threads(2)
 # 附录记在磁盘上的测量（能不能编译、起草的代价）写进本次测试自己的目录，不碰用户的 ~/.cache/qwen
@@ -30,6 +30,13 @@ def widths08b(tmp_path_factory):
 def lively(tmp_path_factory):
     """(路径, transformers 模型)：写回残差流的投影尺度为 1，贪心续写多样，用来测生成与投机解码。"""
     return make_checkpoint(tmp_path_factory.mktemp("lively"), seed=3, out_scale=1.0)
+
+
+@pytest.fixture(scope="session")
+def lively_moe(tmp_path_factory):
+    """(路径, transformers 模型)：专家混合（256 个专家、每个 token 8 个，窄的宽度），续写多样；主干的专家堆叠存放，
+    MTP 层按专家分开存（35B-A3B 的布局）。"""
+    return make_moe_checkpoint(tmp_path_factory.mktemp("lively_moe"), seed=5, out_scale=1.0)
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,11 @@ PATHS = {  # 名字 → (检查点, qwen.fast.load 的参数)；默认：分块�
     "int4-float32": ("lively", dict(dtype=torch.float32, quantize="int4")),
     "compiled-int8": ("lively08b", dict(dtype=torch.bfloat16, layout="graphs", quantize="int8")),
     "compiled-int4": ("lively08b", dict(dtype=torch.bfloat16, layout="graphs", quantize="int4")),
+    "moe-float32": ("lively_moe", dict(dtype=torch.float32)),  # 专家混合：256 个专家、每个 token 8 个
+    "moe-packed-float32": ("lively_moe", dict(dtype=torch.float32, layout="packed")),
+    "moe-bfloat16": ("lively_moe", dict(dtype=torch.bfloat16)),
+    "moe-int8": ("lively_moe", dict(dtype=torch.bfloat16, quantize="int8")),
+    "moe-int4": ("lively_moe", dict(dtype=torch.bfloat16, quantize="int4")),
 }
 MODELS = {}  # 同一条路径在本文件的几个测试里共用一个模型（编译的图只编译一次）
 

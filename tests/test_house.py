@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CHAPTERS = ("weights", "embedding", "norm", "mlp", "rope", "attention", "deltanet", "chunk", "layer", "model", "cache",
+CHAPTERS = ("weights", "embedding", "norm", "mlp", "moe", "rope", "attention", "deltanet", "chunk", "layer", "model", "cache",
             "sample", "chat", "batch", "mtp", "vision")  # 课程的各章，按顺序：qwen.<名字>；包里别的模块都是附录
 
 

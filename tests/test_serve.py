@@ -48,8 +48,9 @@ def test_concurrent_streams_equal_their_solo_answers(served):
     assert results == solo
 
 
-@pytest.mark.parametrize("quantize, blocks", [(None, torch.bfloat16), ("int8", torch.int8), ("int4", torch.uint8)])
-def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
+@pytest.mark.parametrize("which, quantize, blocks", [("lively", None, torch.bfloat16), ("lively", "int8", torch.int8),
+                                                     ("lively", "int4", torch.uint8), ("lively_moe", "int4", torch.uint8)])
+def test_shared_rows_equal_each_request_alone(request, which, quantize, blocks):
     """服务的共用行（RowBatcher + qwen/fast/share.py 的 layer_many）在 bfloat16、int8 与 int4 上也与每个请求单独运行时逐 token 相同：普通解码与
     投机解码（验证的 k+1 行与别人的行一起乘）都是。4 个线程先都进了对齐再开始，所以每一步都确定地拼在一起。
     草稿由“知道答案”的草稿器给（真的草稿头照样起草，以 0.6 的概率换成对的）：草稿常被接受，接受后的提交也在共用的行上走到。"""
@@ -57,8 +58,8 @@ def test_shared_rows_equal_each_request_alone(lively, quantize, blocks):
     from qwen.mtp import speculate
     from qwen.serve.batcher import row_batcher
 
-    model = load_model(lively[0], dtype=torch.bfloat16, quantize=quantize)
-    assert model.layers[0].mlp.down_proj.blocks.dtype == blocks
+    model = load_model(request.getfixturevalue(which)[0], dtype=torch.bfloat16, quantize=quantize)
+    assert model.layers[0].ffn.down_proj.blocks.dtype == blocks  # 专家混合（lively_moe）：共享专家；各专家也是
     chat = Chat(model)
     mtp = load_draft(model)
     prompts = [chat.encode(chat.prompt([{"role": "user", "content": q}])) for q in QUESTIONS[:4]]

@@ -25,6 +25,8 @@ from ..layer import DecoderLayer
 from ..mlp import MLP
 from ..norm import RMSNorm, rms
 from ..model import Model
+from ..moe import SparseMoE
+from .experts import FastMoE, speed_up_moe  # noqa: F401  FastMoE 也从这里取
 from .kernel import AttentionParams, DeltaNetParams, LayerParams, Lin
 from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
@@ -274,7 +276,7 @@ class FastDecoderLayer(DecoderLayer):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.mlp.down_proj.dtype
+        return self.ffn.down_proj.dtype
 
     def delta_rule(self, T: int):
         return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
@@ -307,9 +309,12 @@ def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) 
     """把一个已加载的解码层就地换成快的版本（kernel 给定时用分块布局、矩阵转成 dtype，quantize="int8" 时存成 int8；
     否则打包的布局）。"""
     layer.__class__ = FastDecoderLayer
-    layer.mlp.__class__ = FastMLP
-    fuse(layer.mlp, "gate_up", ["gate_proj", "up_proj"], kernel, quantize, dtype)
-    layer.mlp.down_proj = fast_linear([layer.mlp.down_proj], kernel, quantize, dtype)
+    if isinstance(layer.mlp, SparseMoE):  # 专家混合层：每个专家两个矩阵（experts.py）
+        speed_up_moe(layer.mlp, kernel, quantize, dtype)
+    else:
+        layer.mlp.__class__ = FastMLP
+        fuse(layer.mlp, "gate_up", ["gate_proj", "up_proj"], kernel, quantize, dtype)
+        layer.mlp.down_proj = fast_linear([layer.mlp.down_proj], kernel, quantize, dtype)
     if layer.layer_type == "linear_attention":
         mixer, name, parts, out = layer.linear_attn, "in_proj", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "out_proj"
         mixer.__class__ = FastDeltaNet
@@ -327,8 +332,10 @@ def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) 
 
 
 def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
-    """layer.cpp 要的这一层的常量；矩阵不全是分块布局、带偏置、模型不是 bfloat16 或 float32，或归一化不走 C++ 时 None
-    （这一层照逐个运算的路径走）。"""
+    """layer.cpp 要的这一层的常量；矩阵不全是分块布局、带偏置、模型不是 bfloat16 或 float32，归一化不走 C++，或前馈是
+    专家混合（FastMoE 逐个专家地乘）时 None（这一层照逐个运算的路径走）。"""
+    if isinstance(layer.mlp, SparseMoE):
+        return None
     mixer = layer.linear_attn if layer.layer_type == "linear_attention" else None
     linears = [layer.mlp.gate_up, layer.mlp.down_proj] + ([mixer.in_proj, mixer.out_proj] if mixer is not None else [])
     norms = [layer.input_layernorm, layer.post_attention_layernorm]

@@ -82,6 +82,9 @@ def load_model(path=None, layout: str = "auto", quantize: str | None = None, dty
     """只加载文本模型（参数同 load）。返回的模型带着 model.layout 与 model.quantized：草稿头照它们加载。"""
     layout, dtype = resolve(layout, quantize, dtype)
     path = find_model(path)
+    if layout == "graphs" and load_config(path).num_experts:
+        raise ValueError(f'{path} 是专家混合的检查点：layout="graphs" 还不能把按专家分组的一步编译成图，'
+                         '请用 layout="blocked"（默认的 auto 就是它）')
     if layout == "plain":
         model = Model.from_pretrained(path, dtype)
     else:  # 只读形状：speed_up_model 一层一层地读出真的权重
@@ -114,7 +117,7 @@ def load_draft(model, path=None, draft_vocab="auto") -> MTP | None:
 def speed_up_model(model: Model, path, layout: str, quantize=None) -> Model:
     """把只读了形状的 Model（meta 张量）一层一层地读出、换成 layout 的布局，返回同一个对象。"""
     kernel = None if layout == "packed" else load_matvec()
-    some = model.layers[0].mlp.down_proj.weight
+    some = model.layers[0].ffn.down_proj.weight
     dtype, raw = some.dtype, kernel is not None and not quantize  # 分块布局：矩阵按文件里的 dtype 读，换布局时一起转
     # 先换最大的输出头，嵌入表留在文件里（从不读进内存）；之后一层一层地读出、换掉。量化的输出头从文件里
     # 一段一段地读出来量化（FileRows）：内存里不必有整个 bfloat16 的输出头

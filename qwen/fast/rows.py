@@ -16,21 +16,29 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..moe import stack_experts
 from ..weights import open_safetensors, safetensors_files
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-def tensor_file(path, part: str, key: str) -> tuple[Path, str]:
-    """一个张量在检查点的哪个文件里、全名是什么。key 去掉了前缀，如 part="model."、key="embed_tokens.weight"。"""
+def tensor_file(path, part: str, key: str, index: dict | None = None) -> tuple[Path, str]:
+    """一个张量在检查点的哪个文件里、全名是什么。key 去掉了前缀，如 part="model."、key="embed_tokens.weight"。
+    index：tensor_index 建好的 {全名: 文件}（读很多张量时只读一遍各分片的文件头）。"""
     prefixes = ("model.language_model.", "model.") if part == "model." else (part,)
+    for prefix in prefixes:
+        if prefix + key in (names := index if index is not None else tensor_index(path)):
+            return names[prefix + key], prefix + key
+    raise ValueError(f"检查点 {path} 里没有张量 {key}（前缀 {' 或 '.join(prefixes)}）")
+
+
+def tensor_index(path) -> dict:
+    """检查点里每个张量的全名 → 它所在的文件。"""
+    index = {}
     for file in safetensors_files(path):
         with open_safetensors(file) as f:
-            names = set(f.keys())
-        for prefix in prefixes:
-            if prefix + key in names:
-                return file, prefix + key
-    raise ValueError(f"检查点 {path} 里没有张量 {key}（前缀 {' 或 '.join(prefixes)}）")
+            index.update(dict.fromkeys(f.keys(), file))
+    return index
 
 
 def head_tensor(cfg) -> tuple[str, str]:
@@ -47,29 +55,62 @@ def meta_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tenso
     if kind not in SAFETENSORS_DTYPES:
         raise ValueError(f"{file} 里的 {name} 是 {kind}：权重应是浮点张量（BF16、F16 或 F32）")
     floating = dtype or SAFETENSORS_DTYPES[kind]
-    return torch.empty(shape, dtype=floating if len(shape) == 2 else torch.float32, device="meta")
+    matrix = len(shape) == 2 or name.endswith("_proj")  # 矩阵与堆叠的专家 [E, out, in]
+    return torch.empty(shape, dtype=floating if matrix else torch.float32, device="meta")
 
 
 def materialize(root: nn.Module, path, part: str, prefix: str = "", raw: bool = False) -> None:
     """把 root（检查点里 part 那一部分：part="model." 或 "mtp."）里名字以 prefix 开头、还在 meta 设备上的参数从检查点
     读出来（dtype 与 meta 张量相同；raw 时矩阵保持文件里的 dtype，是文件映射的视图，换分块布局时 C++ 的 to_blocks
     读一遍就丢掉）。加载时快路径只读了形状（meta_tensor）；变换前一层一层地读，内存里同时只有一层的原始权重。
-    每个文件只打开一次（一层有十几个小张量，每个都打开一次文件，就要各付一次打开文件、读文件头的开销）。"""
+    每个文件只打开一次（一层有十几个小张量，每个都打开一次文件，就要各付一次打开文件、读文件头的开销）。
+    堆叠的专家（experts.gate_up_proj 等）在检查点里按专家分开存时，读出各个专家再拼起来（第 4 章附的 stack_experts）。"""
+    index = tensor_index(path)
     with ExitStack() as files:
         opened = {}
+
+        def read(file, full):
+            if file not in opened:
+                opened[file] = files.enter_context(open_safetensors(file))
+            return opened[file].get_tensor(full)
+
         for name, param in list(root.named_parameters(remove_duplicate=False)):
             if not name.startswith(prefix) or not param.is_meta:
                 continue
             is_head = part == "model." and name == "lm_head.weight"
-            file, full = tensor_file(path, *head_tensor(root.cfg)) if is_head else tensor_file(path, part, name)
-            if file not in opened:
-                opened[file] = files.enter_context(open_safetensors(file))
-            tensor = opened[file].get_tensor(full)
-            if not (raw and param.ndim == 2):  # 转成 meta 张量的 dtype（第 1 章 read_tensor 的规则），拷进自己的内存
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and not has_tensor(path, part, name, index):
+                tensor = read_experts(root, path, part, name, lambda n: read(*tensor_file(path, part, n, index)))
+            else:
+                where = head_tensor(root.cfg) if is_head else (part, name)
+                tensor = read(*tensor_file(path, *where, index))
+            if not (raw and (param.ndim == 2 or name.endswith("_proj"))):  # 转成 meta 张量的 dtype，拷进自己的内存
                 own = tensor.to(param.dtype)
                 tensor = own.clone() if own.data_ptr() == tensor.data_ptr() else own
             module_name, _, leaf = name.rpartition(".")
             setattr(root.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+def has_tensor(path, part: str, key: str, index: dict) -> bool:
+    try:
+        tensor_file(path, part, key, index)
+        return True
+    except ValueError:
+        return False
+
+
+def read_experts(root, path, part: str, name: str, read) -> torch.Tensor:
+    """按专家分开存的检查点里，一个堆叠参数（…experts.gate_up_proj 或 …experts.down_proj）的全部专家读出来拼好。"""
+    base = name.rpartition(".")[0]  # …mlp.experts
+    kinds = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+    E = root.cfg.num_experts
+    names = [f"{base}.{e}.{k}.weight" for e in range(E) for k in ("gate_proj", "up_proj", "down_proj")]
+    sd = {n: read(n) if n.rsplit(".", 2)[1] in kinds else torch.empty(0) for n in names}
+    for n in names:  # 不需要的那一半只给个形状对的空壳：stack_experts 照样核对
+        if sd[n].numel() == 0:
+            shape = (root.cfg.hidden_size, root.cfg.moe_intermediate_size) if "down_proj" in n else \
+                (root.cfg.moe_intermediate_size, root.cfg.hidden_size)
+            sd[n] = torch.empty(shape, device="meta")
+    return stack_experts(sd, root.cfg, f"检查点 {path}")[name]
 
 
 class RowReader:

@@ -69,7 +69,7 @@ def can_share(x, state, valid) -> bool:
 
 def can_join(model) -> bool:
     """这个模型的层能不能拼行：分块布局（矩阵有 blocks，C++ 的 matvec 乘）、不编译图（图里的运算拼不进来）。"""
-    return hasattr(model.layers[0].mlp.down_proj, "blocks") and not getattr(model, "step_lengths", ())
+    return hasattr(model.layers[0].ffn.down_proj, "blocks") and not getattr(model, "step_lengths", ())
 
 
 def layers_many(model, parts):
@@ -103,6 +103,8 @@ def layer_many(layer, parts):
     x = x + out_proj.matvec(join(outs).to(layer.dtype)).float()
     if block is not None:  # 与 FastDecoderLayer.forward 里的同一个 C 调用，每行各算各的
         return apart(layer.mlp.down_proj.kernel.mlp_block(block, x), sizes)
+    if layer.ffn is not layer.mlp:  # 专家混合：FastMoE 按专家分组，每行的结果与同时有哪些行无关（experts.py）
+        return apart(x + layer.mlp(layer.post_attention_layernorm(x).to(layer.dtype)).float(), sizes)
     gate_up = apart(layer.mlp.gate_up.matvec(layer.post_attention_layernorm(x).to(layer.dtype)), sizes)
     act = join([layer.mlp.act(y) for y in gate_up])  # [1, ΣT, intermediate]
     x = x + layer.mlp.down_proj.matvec(act).float()

@@ -136,7 +136,7 @@ class RowBatcher:
 def row_batcher(model, mtp=None) -> RowBatcher | None:
     """服务这个模型（和草稿头）的 RowBatcher；没有分块布局（打包的路径、普通模型）时 None：那时各请求照样各算各的，
     只是不共用读权重。模型不被改动：请求线程在 member() 之内时，它的前向自己来问（qwen/fast/share.py）。"""
-    if not hasattr(model.layers[0].mlp.down_proj, "blocks"):
+    if not hasattr(model.layers[0].ffn.down_proj, "blocks"):
         return None
     if not can_join(model):
         raise ValueError("服务用默认的分块布局（不编译图）：编译的图里 matvec 是图的一部分，没法在请求之间对齐")

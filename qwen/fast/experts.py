@@ -1,0 +1,71 @@
+"""附录 · 快路径：专家混合层（第 4 章附）换上快的布局。
+
+一个 token 只读它的 k 个专家和共享专家：E 个专家各自是分块布局的两个矩阵（gate 与 up 拼成一个 gate_up，down），
+解码时只乘被选中的那 k 个。路由器与共享专家的门读同一个输入，拼成一个 [E + 1, hidden] 的矩阵；它们很小，
+却决定选哪些专家，所以不量化（保持模型的 dtype）。
+
+几行一起算（预填充、验证草稿、服务时拼在一起的请求）时按专家分组：每个被选中的专家对选了它的那些行乘一次，权重只读
+一遍。投机解码要求验证的一行与单独解码它时逐位相同（第 14 章），所以这里的每一步都与“同时还有哪些行”无关：
+- 矩阵乘法不超过 KERNEL_ROWS 行时是 C++ 的 matvec，每行各用各的累加器（linear.py）；
+- 一行的 k 个专家按专家编号从小到大加进它的输出（index_add_ 逐元素相加）：顺序只取决于这一行选了谁；
+- top-k 权重的和按固定的顺序一个一个地加（一次归约在行多行少时可能换一种求和顺序）；
+- 共享专家的门 sigmoid 在补宽到 64 列的张量上算：逐元素运算总走向量化的代码，不会一次走向量、一次走标量的尾巴。
+"""
+
+import torch
+from torch import nn
+
+from ..moe import SparseMoE
+from .linear import fast_linear
+
+GATE_WIDTH = 64  # 共享专家的门补宽到这么多列再过 sigmoid（见上）
+
+
+class Linear:
+    """只有 weight 的占位：fast_linear 收 nn.Linear 的样子（.weight、.bias），专家的切片不必先建成 nn.Linear。"""
+
+    def __init__(self, weight):
+        self.weight, self.bias, self.out_features = weight, None, weight.shape[0]
+
+
+def route_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """第 4 章附的 route，只是每行的结果与行数无关：Σw 按固定顺序相加。→ (权重 [N, k] float32, 专家编号 [N, k])。"""
+    p = torch.softmax(logits.float(), dim=-1)
+    w, idx = torch.topk(p, k, dim=-1)
+    total = w[:, 0].clone()
+    for j in range(1, k):
+        total += w[:, j]
+    return (w / total[:, None]).to(logits.dtype).float(), idx
+
+
+class FastMoE(SparseMoE):
+    """换了布局的专家混合层：router（路由器 + 共享专家的门）、shared_expert（FastMLP）、gate_up、down（每个专家一个）。"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])  # [N, hidden]
+        scores = self.router(h)  # [N, E + 1]
+        E = scores.shape[1] - 1
+        weight, idx = route_rows(scores[:, :E], self.top_k)  # [N, k]
+        gate = torch.sigmoid(scores[:, E:].float().expand(-1, GATE_WIDTH).contiguous())[:, :1]  # [N, 1]
+        out = self.shared_expert(h).float() * gate  # [N, hidden] float32
+        for e in idx.unique().tolist():  # 从小到大
+            rows, slot = torch.where(idx == e)
+            y = self.down[e](self.shared_expert.act(self.gate_up[e](h[rows])))  # [n, hidden]
+            out.index_add_(0, rows, y.float() * weight[rows, slot, None])
+        return out.to(x.dtype).view_as(x)
+
+
+def speed_up_moe(moe: SparseMoE, kernel=None, quantize=None, dtype=None) -> None:
+    """已读出的专家混合层就地换成 FastMoE：每个专家两个分块（或打包）的矩阵，堆叠的原始参数随即释放。"""
+    from .layers import FastMLP, fuse  # layers.py 也从这里取 FastMoE
+
+    moe.__class__ = FastMoE
+    moe.router = fast_linear([moe.gate, moe.shared_expert_gate], kernel, None, dtype)  # 不量化
+    del moe.gate, moe.shared_expert_gate
+    moe.shared_expert.__class__ = FastMLP
+    fuse(moe.shared_expert, "gate_up", ["gate_proj", "up_proj"], kernel, quantize, dtype)
+    moe.shared_expert.down_proj = fast_linear([moe.shared_expert.down_proj], kernel, quantize, dtype)
+    gate_up, down = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+    del moe.experts  # 堆叠的参数：换完一个专家就不再需要
+    moe.gate_up = nn.ModuleList(fast_linear([Linear(w)], kernel, quantize, dtype) for w in gate_up)
+    moe.down = nn.ModuleList(fast_linear([Linear(w)], kernel, quantize, dtype) for w in down)
