@@ -258,13 +258,17 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, model: dict, mtp: dict
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
-    text = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "mrope_section"}  # 它写在 rope_parameters 里
-    text.update(model_type="qwen3_5_text", mtp_num_hidden_layers=1 if mtp else 0,
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    skip = {"mrope_section", *(moe if not cfg.num_experts else ())}  # mrope_section 写在 rope_parameters 里；稠密的不写专家
+    text = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in skip}
+    kind = "qwen3_5_moe" if cfg.num_experts else "qwen3_5"  # 专家混合：35B-A3B 的 model_type
+    text.update(model_type=kind + "_text", mtp_num_hidden_layers=1 if mtp else 0,
                 rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
                                  "partial_rotary_factor": cfg.partial_rotary_factor,
                                  "mrope_section": cfg.mrope_section, "mrope_interleaved": True})  # 第 5 章的 M-RoPE
     text.update(extra_text_config or {})
-    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    architecture = "Qwen3_5MoeForConditionalGeneration" if cfg.num_experts else "Qwen3_5ForConditionalGeneration"
+    config = {"architectures": [architecture], "model_type": kind,
               "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
     (path / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return path

@@ -142,16 +142,27 @@ def test_batch_rows_equal_single_runs_on_the_fast_path(lively_moe, quantize):
     assert generate_batch(model, prompts, 16) == alone
 
 
-def test_a_decoded_token_reads_only_its_experts(lively_moe):
-    """解码一个 token 只乘它的 8 个专家（加上共享专家）：数每个专家的矩阵被调用了几次。"""
-    model, _ = load_fast(lively_moe[0], dtype=torch.bfloat16, quantize="int4", draft=False)
-    moe = model.layers[0].mlp
-    calls = []
-    hooks = [m.register_forward_hook(lambda m, i, o: calls.append(m)) for m in moe.gate_up]
-    model(prompt(model.cfg.vocab_size, 1, seed=3))
-    for h in hooks:
-        h.remove()
-    assert len(calls) == model.cfg.num_experts_per_tok == 8 and len(moe.gate_up) == 256
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_a_decoded_token_reads_only_its_experts(lively_moe, quantize):
+    """解码一个 token 只读它的 k = 8 个专家（加上共享专家）：先看它在每层选了谁，再把其余 248 个专家的权重全改成垃圾，
+    再解码同一个 token：logits 一位不差（快路径的 C++ 与 Python 两条路都是）。"""
+    model, _ = load_fast(lively_moe[0], dtype=torch.float32, quantize=quantize, draft=False)  # float32 的路由分数：不会打平
+    ids = prompt(model.cfg.vocab_size, 1, seed=3)
+    chosen = []  # 每层选中的专家：从 Python 那条路（求导开着时走它）的 gate_up 调用记下来
+    for layer in model.layers:
+        for e, m in enumerate(layer.mlp.gate_up):
+            m.register_forward_hook(lambda m, i, o, e=e, at=len(chosen): chosen[at].add(e))
+        chosen.append(set())
+    python_path = model(ids)
+    assert [len(c) for c in chosen] == [8] * len(model.layers)
+    with torch.inference_mode():
+        before = model(ids)
+        for layer, c in zip(model.layers, chosen):
+            for e in set(range(256)) - c:
+                for m in (layer.mlp.gate_up[e], layer.mlp.down[e]):
+                    m.blocks.fill_(77 if m.blocks.dtype == torch.uint8 else 1e4)  # int4：每个字节两个 −3
+        assert torch.equal(model(ids), before)
+    assert torch.equal(model(ids), python_path)
 
 
 def test_graphs_is_refused_with_a_reason(lively_moe):

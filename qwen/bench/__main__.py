@@ -24,6 +24,8 @@ def arguments(argv):
     p = argparse.ArgumentParser(prog="python -m qwen.bench", description="解码、预填充、投机解码与内存的基准测试")
     p.add_argument("--model", default=None, help="检查点文件夹或 demo；默认按 --size 的形状造随机权重")
     p.add_argument("--size", choices=list(SIZES), default="0.8B", help="没给 --model 时随机权重的形状（9B、27B：几十 GB 的临时文件）")
+    p.add_argument("--layers", type=int, default=None,
+                   help="随机权重只造这么多层（每层同样的宽度）：整个模型的检查点放不下磁盘时；报告里写明层数")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "both"], default="both")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--tokens", type=int, default=64, help="每次解码的新 token 数")
@@ -126,8 +128,9 @@ def main(argv=None):
     if args.model is None:
         tmp = tempfile.TemporaryDirectory(prefix="qwen-bench-")
         print(f"按 Qwen3.5-{args.size} 的形状造随机权重（bfloat16）…", file=sys.stderr, flush=True)
-        args.model = random_checkpoint(tmp.name, Config(**SIZES[args.size]))
-        name = f"随机权重，Qwen3.5-{args.size} 的形状"
+        layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+        args.model = random_checkpoint(tmp.name, Config(**SIZES[args.size], **layers))
+        name = f"随机权重，Qwen3.5-{args.size} 的形状" + ("" if args.layers is None else f"，只有 {args.layers} 层")
     else:
         args.model = find_model(args.model)
         name = str(args.model)

@@ -19,6 +19,10 @@ SIZES = {
                num_key_value_heads=4, linear_num_value_heads=32, tie_word_embeddings=False),
     "27B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
                 num_key_value_heads=4, linear_num_value_heads=48, tie_word_embeddings=False),
+    # 专家混合：40 层，每层 256 个专家（中间宽 512）里每个 token 用 8 个，外加共享专家；bfloat16 约 67 GB
+    "35B-A3B": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                    linear_num_value_heads=32, tie_word_embeddings=False, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512),
 }
 
 
@@ -44,8 +48,8 @@ def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) ->
             return 0.1 * torch.randn(shape, generator=gen)
         if name.endswith("embed_tokens.weight"):
             return torch.randn(shape, generator=gen).to(dtype)
-        scale = 0.1 if name.split(".")[-2] in ("o_proj", "out_proj", "down_proj") else 1.0
-        return (torch.randn(shape, generator=gen) * (scale / math.sqrt(math.prod(shape[1:])))).to(dtype)
+        scale = 0.1 if {"o_proj", "out_proj", "down_proj"} & set(name.split(".")[-2:]) else 1.0  # 含堆叠的专家
+        return (torch.randn(shape, generator=gen) * (scale / math.sqrt(shape[-1]))).to(dtype)  # 输入维在最后
 
     def make(name, meta):  # 写到它的分片时才造：名字去掉前缀（model.language_model.、mtp.），按同样的规则取值
         return fill(name.removeprefix("model.language_model.").removeprefix("mtp."), meta.shape)

@@ -20,17 +20,22 @@ def read_bandwidth(x: torch.Tensor | None = None, repeats: int = 5) -> float:
 
 def bytes_per_token(model) -> int:
     """解码一个 token 要读的权重字节数：每个矩阵读一遍（换了布局的按它的原始形状算，分块布局补的零行不算）；
-    嵌入表只查一行。"""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, BlockedLinear) and m.scales is not None:  # 量化的块：q 与比例，按存的算（补的零行除外）
-            share = m.out_features / (m.blocks.shape[0] * 32)
-            total += round(share * (m.blocks.numel() * m.blocks.element_size() + m.scales.numel() * m.scales.element_size()))
-        elif isinstance(m, (PackedLinear, BlockedLinear)):
-            total += m.out_features * m.in_features * m.dtype.itemsize
-        elif m is not model.embed_tokens:  # nn.Linear 的权重、各种 norm 与 DeltaNet 的小参数
-            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    嵌入表只查一行；专家混合层的专家只读 k 个（一个 token 平均读全部专家的 k / E）。"""
+    total = sum(matrix_bytes(m) for m in model.modules() if m is not model.embed_tokens)
+    for moe in (m for m in model.modules() if hasattr(m, "gate_up") and hasattr(m, "top_k")):  # 快路径的 FastMoE
+        experts = sum(matrix_bytes(m) for m in [*moe.gate_up, *moe.down])
+        total -= round(experts * (1 - moe.top_k / len(moe.gate_up)))
     return total + model.cfg.hidden_size * model.dtype.itemsize
+
+
+def matrix_bytes(m) -> int:
+    """一个模块自己的权重字节（不含子模块的）。"""
+    if isinstance(m, BlockedLinear) and m.scales is not None:  # 量化的块：q 与比例，按存的算（补的零行除外）
+        share = m.out_features / (m.blocks.shape[0] * 32)
+        return round(share * (m.blocks.numel() * m.blocks.element_size() + m.scales.numel() * m.scales.element_size()))
+    if isinstance(m, (PackedLinear, BlockedLinear)):
+        return m.out_features * m.in_features * m.dtype.itemsize
+    return sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))  # nn.Linear、norm、DeltaNet 的小参数
 
 
 def timed(fn):

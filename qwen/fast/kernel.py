@@ -124,13 +124,21 @@ class AttentionParams(ctypes.Structure):
     _fields_ = [("q_scale", PTR), ("k_scale", PTR), ("eps", ctypes.c_float), ("H", I64), ("Hkv", I64), ("D", I64)]
 
 
+class MoeParams(ctypes.Structure):
+    """layer.cpp 的 Moe：专家混合层的 E、top-k、专家的中间宽度，路由器（与共享专家的门拼成的 [E + 1, hidden]），E 个专家的
+    gate_up 与 down（Lin 的数组：keep 留着它们，结构在，数组就在）。"""
+    _fields_ = [("experts", I64), ("top_k", I64), ("inter", I64), ("router", Lin), ("gate_up", PTR), ("down", PTR)]
+
+
 class LayerParams(ctypes.Structure):
-    """layer.cpp 的 Layer：一个解码层的常量（layers.py 的 layer_params 填一次）。指针指向层里的张量：层在，它们就在。"""
+    """layer.cpp 的 Layer：一个解码层的常量（layers.py 的 layer_params 填一次）。指针指向层里的张量：层在，它们就在。
+    专家混合层：gate_up、down 是共享专家的，moe 指向 MoeParams；稠密的 MLP 是空指针。"""
     F32 = ctypes.c_float
     _fields_ = [("bf16", I64), ("hidden", I64), ("inter", I64), ("eps1", F32), ("eps2", F32),
                 ("norm1", PTR), ("norm2", PTR), ("in_proj", Lin), ("out_proj", Lin), ("gate_up", Lin), ("down", Lin),
                 ("delta", DeltaNetParams),
-                ("attn", AttentionParams)]
+                ("attn", AttentionParams),
+                ("moe", PTR)]
 
 
 class Kernel:

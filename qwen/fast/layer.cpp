@@ -60,14 +60,23 @@ struct Lin {
   const void* s;
 };
 
+// 专家混合的前馈（第 4 章附，kernel.py 的 MoeParams）：路由器与共享专家的门拼成的 router [E + 1, hidden]（模型的 dtype），
+// 共享专家的 gate_up、down，E 个专家各自的 gate_up [2I, hidden]、down [hidden, I]（数组，各 E 个）
+struct Moe {
+  int64_t experts, top_k, inter;  // E、每个 token 用几个、专家的中间宽度（共享专家的是 Layer 的 inter）
+  Lin router;
+  const Lin *gate_up, *down;
+};
+
 // 一层的常量（kernel.py 的 LayerParams，换布局之后填一次）：bf16 是模型的 dtype 是不是 bfloat16
 struct Layer {
   int64_t bf16, hidden, inter;
   float eps1, eps2;            // 两个 RMSNorm 的 eps
   const float *norm1, *norm2;  // 两个 RMSNorm 的 1 + w
-  Lin in_proj, out_proj, gate_up, down;
+  Lin in_proj, out_proj, gate_up, down;  // 专家混合层：gate_up、down 是共享专家的
   DeltaNet delta;  // DeltaNet 层的常量与形状（注意力层不用）
   Attention attn;  // 注意力层的（in_proj、out_proj 是 qkv 与 o_proj；attn.H = 0：这一层不走 attention.cpp）
+  const Moe* moe;  // 专家混合层的路由器与专家；稠密的 MLP 是空指针
 };
 
 inline float bf16_value(uint16_t h) {
@@ -183,18 +192,92 @@ void act_f32(const float* g, const float* u, int64_t n, float* a) {
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
 }
 
-// MLP 那一半：out = x + down(act(gate_up(norm2(x))))，x、out [M, hidden] float32
-void mlp_half(const Layer& p, const float* x, int64_t M, float* out) {
-  Rows h = normed(x, M, p.hidden, p.norm2, p.eps2, p.bf16);
-  Rows gu = linear(p.gate_up, h, M);  // [M, 2·inter]：前一半是 gate，后一半是 up
+// 一个 SwiGLU：down(act(gate_up(h)))，h [M, hidden] 模型的 dtype → [M, hidden] 模型的 dtype
+Rows swiglu(const Lin& gate_up, const Lin& down, int64_t inter, Rows& h, int64_t M) {
+  Rows gu = linear(gate_up, h, M);  // [M, 2·inter]：前一半是 gate，后一半是 up
   Rows a{gu.bf16, {}, {}};
-  a.resize(M * p.inter);
+  a.resize(M * inter);
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t in = m * 2 * p.inter, at = m * p.inter;
-    if (a.bf16) act_bf16(gu.h.data() + in, gu.h.data() + in + p.inter, p.inter, a.h.data() + at);
-    else act_f32(gu.f.data() + in, gu.f.data() + in + p.inter, p.inter, a.f.data() + at);
+    const int64_t in = m * 2 * inter, at = m * inter;
+    if (a.bf16) act_bf16(gu.h.data() + in, gu.h.data() + in + inter, inter, a.h.data() + at);
+    else act_f32(gu.f.data() + in, gu.f.data() + in + inter, inter, a.f.data() + at);
   }
-  add_rows(x, linear(p.down, a, M), M * p.hidden, out);
+  return linear(down, a, M);
+}
+
+// 路由（第 4 章附的 route，逐行）：scores 的前 E 个过 softmax（float32），取最大的 k 个（同分时编号小的在前），除以它们
+// 按从大到小的顺序加起来的和，再舍入成模型的 dtype → (专家编号, 权重) 各 k 个
+void route_row(const float* s, int64_t E, int64_t k, bool bf16, int64_t* idx, float* w) {
+  float top = s[0];
+  for (int64_t e = 1; e < E; ++e) top = std::max(top, s[e]);
+  std::vector<float> p(E);
+  float sum = 0.0f;
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = exp_poly(s[e] - top));
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  float total = 0.0f;
+  for (int64_t j = 0; j < k; ++j) total += p[order[j]] / sum;
+  for (int64_t j = 0; j < k; ++j) {
+    idx[j] = order[j];
+    const float v = (p[order[j]] / sum) / total;
+    w[j] = bf16 ? bf16_value(bf16_round(v)) : v;
+  }
+}
+
+// 专家混合的那一半：out = x + Σ_j w_j · expert_j(h) + sigmoid(gate(h)) · shared(h)，h = norm2(x)。每个被选中的专家对选了
+// 它的那些行乘一次（两个线程各拿一些专家）；一行的各项按专家编号从小到大加：一行的结果与同时有哪些行无关
+void moe_half(const Layer& p, const float* x, int64_t M, float* out) {
+  const Moe& q = *p.moe;
+  const int64_t H = p.hidden, E = q.experts, k = q.top_k;
+  Rows h = normed(x, M, H, p.norm2, p.eps2, p.bf16);
+  Rows scores = linear(q.router, h, M);  // [M, E + 1]
+  std::vector<float> sf(M * (E + 1)), w(M * k), acc(M * H);
+  std::vector<int64_t> idx(M * k);
+  scores.to_float(sf.data(), M * (E + 1));
+  for (int64_t m = 0; m < M; ++m) route_row(&sf[m * (E + 1)], E, k, p.bf16, &idx[m * k], &w[m * k]);
+  Rows shared = swiglu(p.gate_up, p.down, p.inter, h, M);
+  shared.to_float(acc.data(), M * H);
+  for (int64_t m = 0; m < M; ++m) {  // 共享专家乘它的门 sigmoid(g)
+    const float g = 1.0f / (1.0f + exp_poly(-sf[m * (E + 1) + E]));
+    for (int64_t i = 0; i < H; ++i) acc[m * H + i] = acc[m * H + i] * g;
+  }
+  std::vector<std::vector<int64_t>> picks(E);  // 专家 e → 选了它的 (行·k + 第几个选择)
+  for (int64_t r = 0; r < M * k; ++r) picks[idx[r]].push_back(r);
+  std::vector<int64_t> hit;
+  for (int64_t e = 0; e < E; ++e)
+    if (!picks[e].empty()) hit.push_back(e);
+  std::vector<std::vector<float>> ys(hit.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < int64_t(hit.size()); ++i) {
+    const std::vector<int64_t>& rs = picks[hit[i]];
+    const int64_t n = rs.size(), size = h.bf16 ? 2 : 4;
+    Rows xe{h.bf16, {}, {}};
+    xe.resize(n * H);
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(static_cast<char*>(xe.data()) + r * H * size, static_cast<char*>(h.data()) + (rs[r] / k) * H * size, H * size);
+    Rows y = swiglu(q.gate_up[hit[i]], q.down[hit[i]], q.inter, xe, n);
+    ys[i].resize(n * H);
+    y.to_float(ys[i].data(), n * H);
+  }
+  for (size_t i = 0; i < hit.size(); ++i) {  // 专家编号从小到大
+    const std::vector<int64_t>& rs = picks[hit[i]];
+    for (size_t r = 0; r < rs.size(); ++r) {
+      float* a = &acc[(rs[r] / k) * H];
+      const float* y = &ys[i][r * H];
+      const float wr = w[rs[r]];
+      for (int64_t j = 0; j < H; ++j) a[j] = a[j] + y[j] * wr;
+    }
+  }
+  for (int64_t i = 0; i < M * H; ++i) out[i] = x[i] + acc[i];
+}
+
+// MLP 那一半：out = x + down(act(gate_up(norm2(x))))，x、out [M, hidden] float32；专家混合层换成 moe_half
+void mlp_half(const Layer& p, const float* x, int64_t M, float* out) {
+  if (p.moe) return moe_half(p, x, M, out);
+  Rows h = normed(x, M, p.hidden, p.norm2, p.eps2, p.bf16);
+  add_rows(x, swiglu(p.gate_up, p.down, p.inter, h, M), M * p.hidden, out);
 }
 
 // 混合器的输出 o [M, ·] float32 之后：out = mlp 那一半(x + out_proj(o.to(dtype)))

@@ -15,6 +15,8 @@
 验证时逐个位置的这些写法，都是为了让每一行与单独解码那个 token 时逐位相同（第 14 章）。
 """
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +29,7 @@ from ..norm import RMSNorm, rms
 from ..model import Model
 from ..moe import SparseMoE
 from .experts import FastMoE, speed_up_moe  # noqa: F401  FastMoE 也从这里取
-from .kernel import AttentionParams, DeltaNetParams, LayerParams, Lin
+from .kernel import AttentionParams, DeltaNetParams, LayerParams, Lin, MoeParams
 from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
 from .share import can_share, current, layer_many
@@ -293,7 +295,7 @@ class FastDecoderLayer(DecoderLayer):
         if self.layer_type == "full_attention" and self.block.attn.H and self.self_attn.can_step(state, valid):
             return self.self_attn.whole_layer(self, x, cos, sin, state)
         x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
-        return self.mlp.down_proj.kernel.mlp_block(self.block, x)
+        return self.ffn.down_proj.kernel.mlp_block(self.block, x)
 
 
 def fuse(module, name: str, parts: list[str], kernel, quantize=None, dtype=None) -> None:
@@ -332,21 +334,24 @@ def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) 
 
 
 def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
-    """layer.cpp 要的这一层的常量；矩阵不全是分块布局、带偏置、模型不是 bfloat16 或 float32，归一化不走 C++，或前馈是
-    专家混合（FastMoE 逐个专家地乘）时 None（这一层照逐个运算的路径走）。"""
-    if isinstance(layer.mlp, SparseMoE):
-        return None
+    """layer.cpp 要的这一层的常量；矩阵不全是分块布局、带偏置、模型不是 bfloat16 或 float32，或归一化不走 C++ 时 None
+    （这一层照逐个运算的路径走）。专家混合层的前馈也在里面（moe_params）。"""
     mixer = layer.linear_attn if layer.layer_type == "linear_attention" else None
-    linears = [layer.mlp.gate_up, layer.mlp.down_proj] + ([mixer.in_proj, mixer.out_proj] if mixer is not None else [])
+    moe = layer.mlp if isinstance(layer.mlp, SparseMoE) else None
+    ffn = layer.ffn  # 稠密的 MLP，或专家混合层的共享专家
+    linears = [ffn.gate_up, ffn.down_proj] + ([mixer.in_proj, mixer.out_proj] if mixer is not None else []) \
+        + ([moe.router, *moe.gate_up, *moe.down] if moe is not None else [])
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.dtype not in (torch.bfloat16, torch.float32) or any(getattr(n, "step_kernel", None) is None for n in norms) \
             or any(not isinstance(m, BlockedLinear) or m.bias is not None or m.blocks.dim() == 4 and m.in_features % 2
                    for m in linears):
         return None
-    p = LayerParams(bf16=layer.dtype == torch.bfloat16, hidden=layer.mlp.down_proj.out_features,
-                    inter=layer.mlp.down_proj.in_features, eps1=norms[0].eps, eps2=norms[1].eps,
+    p = LayerParams(bf16=layer.dtype == torch.bfloat16, hidden=ffn.down_proj.out_features,
+                    inter=ffn.down_proj.in_features, eps1=norms[0].eps, eps2=norms[1].eps,
                     norm1=norms[0].scale.data_ptr(), norm2=norms[1].scale.data_ptr(),
-                    gate_up=lin(layer.mlp.gate_up), down=lin(layer.mlp.down_proj))
+                    gate_up=lin(ffn.gate_up), down=lin(ffn.down_proj))
+    if moe is not None:
+        p.moe = ctypes.addressof(moe_params(moe))
     if mixer is not None:
         p.in_proj, p.out_proj = lin(mixer.in_proj), lin(mixer.out_proj)
         p.delta = mixer.step_params
@@ -356,6 +361,15 @@ def layer_params(layer: FastDecoderLayer) -> LayerParams | None:
         p.attn = AttentionParams(a.q_norm.scale.data_ptr(), a.k_norm.scale.data_ptr(), a.q_norm.eps, a.num_heads,
                                  a.num_kv_heads, a.head_dim)
     return p
+
+
+def moe_params(moe: FastMoE) -> MoeParams:
+    """layer.cpp 的 Moe，挂在 moe.params 上（LayerParams 只存它的地址：层在，它就在）。"""
+    keep = [(Lin * len(ms))(*map(lin, ms)) for ms in (moe.gate_up, moe.down)]
+    moe.params = MoeParams(len(moe.gate_up), moe.top_k, moe.down[0].in_features, lin(moe.router),
+                           *(ctypes.addressof(a) for a in keep))
+    moe.params.keep = keep
+    return moe.params
 
 
 def attention_fits(a: FastAttention) -> bool:

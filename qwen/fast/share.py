@@ -102,8 +102,8 @@ def layer_many(layer, parts):
                 for y, (_, cos, sin, state) in zip(qkv, parts)]
     x = x + out_proj.matvec(join(outs).to(layer.dtype)).float()
     if block is not None:  # 与 FastDecoderLayer.forward 里的同一个 C 调用，每行各算各的
-        return apart(layer.mlp.down_proj.kernel.mlp_block(block, x), sizes)
-    if layer.ffn is not layer.mlp:  # 专家混合：FastMoE 按专家分组，每行的结果与同时有哪些行无关（experts.py）
+        return apart(layer.ffn.down_proj.kernel.mlp_block(block, x), sizes)
+    if layer.ffn is not layer.mlp:  # 专家混合（没有 layer.cpp 的常量时）：FastMoE 按专家分组，每行各算各的（experts.py）
         return apart(x + layer.mlp(layer.post_attention_layernorm(x).to(layer.dtype)).float(), sizes)
     gate_up = apart(layer.mlp.gate_up.matvec(layer.post_attention_layernorm(x).to(layer.dtype)), sizes)
     act = join([layer.mlp.act(y) for y in gate_up])  # [1, ΣT, intermediate]
