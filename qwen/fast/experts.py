@@ -56,16 +56,18 @@ class FastMoE(SparseMoE):
 
 
 def speed_up_moe(moe: SparseMoE, kernel=None, quantize=None, dtype=None) -> None:
-    """已读出的专家混合层就地换成 FastMoE：每个专家两个分块（或打包）的矩阵，堆叠的原始参数随即释放。"""
-    from .layers import FastMLP, fuse  # layers.py 也从这里取 FastMoE
-
+    """已读出的专家混合层就地换成 FastMoE：路由器与共享专家的门拼成一个矩阵，每个专家两个分块（或打包）的矩阵。
+    共享专家是一个普通的 SwiGLU，由调用的人（layers.py 的 speed_up_layer）像稠密的 MLP 那样换掉。"""
     moe.__class__ = FastMoE
     moe.router = fast_linear([moe.gate, moe.shared_expert_gate], kernel, None, dtype)  # 不量化
     del moe.gate, moe.shared_expert_gate
-    moe.shared_expert.__class__ = FastMLP
-    fuse(moe.shared_expert, "gate_up", ["gate_proj", "up_proj"], kernel, quantize, dtype)
-    moe.shared_expert.down_proj = fast_linear([moe.shared_expert.down_proj], kernel, quantize, dtype)
-    gate_up, down = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
-    del moe.experts  # 堆叠的参数：换完一个专家就不再需要
-    moe.gate_up = nn.ModuleList(fast_linear([Linear(w)], kernel, quantize, dtype) for w in gate_up)
-    moe.down = nn.ModuleList(fast_linear([Linear(w)], kernel, quantize, dtype) for w in down)
+    experts = moe.experts
+    del moe.experts
+    reader = getattr(experts, "reader", None)  # 快路径的加载：专家还在文件里（rows.py 的 ExpertReader），一个一个地读
+    moe.gate_up, moe.down = nn.ModuleList(), nn.ModuleList()
+    for e in range(experts.num_experts):
+        gate_up, down = reader(e) if reader is not None else (experts.gate_up_proj[e].detach(), experts.down_proj[e].detach())
+        moe.gate_up.append(fast_linear([Linear(gate_up)], kernel, quantize, dtype))
+        moe.down.append(fast_linear([Linear(down)], kernel, quantize, dtype))
+    if reader is not None:
+        reader.close()

@@ -311,12 +311,12 @@ def speed_up_layer(layer: DecoderLayer, kernel=None, quantize=None, dtype=None) 
     """把一个已加载的解码层就地换成快的版本（kernel 给定时用分块布局、矩阵转成 dtype，quantize="int8" 时存成 int8；
     否则打包的布局）。"""
     layer.__class__ = FastDecoderLayer
-    if isinstance(layer.mlp, SparseMoE):  # 专家混合层：每个专家两个矩阵（experts.py）
+    if isinstance(layer.mlp, SparseMoE):  # 专家混合层：路由器与每个专家两个矩阵（experts.py）；共享专家照稠密的 MLP 换
         speed_up_moe(layer.mlp, kernel, quantize, dtype)
-    else:
-        layer.mlp.__class__ = FastMLP
-        fuse(layer.mlp, "gate_up", ["gate_proj", "up_proj"], kernel, quantize, dtype)
-        layer.mlp.down_proj = fast_linear([layer.mlp.down_proj], kernel, quantize, dtype)
+    ffn = layer.ffn
+    ffn.__class__ = FastMLP
+    fuse(ffn, "gate_up", ["gate_proj", "up_proj"], kernel, quantize, dtype)
+    ffn.down_proj = fast_linear([ffn.down_proj], kernel, quantize, dtype)
     if layer.layer_type == "linear_attention":
         mixer, name, parts, out = layer.linear_attn, "in_proj", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], "out_proj"
         mixer.__class__ = FastDeltaNet
