@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -24,6 +25,7 @@ NEEDED_FILES = ["config.json", "generation_config.json", "*.safetensors", "model
                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"]
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # 稠密、专家混合：多模态包装 / 纯文本
 DEMO_PATH = Path(__file__).parent / "demo"  # 随包附带的小检查点（附录“训练”一章训出来的），离线也能用
+REPO_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # Hugging Face 的仓库名：组织/模型
 
 
 @dataclass
@@ -99,8 +101,7 @@ class Config:
 
 def load_config(path: str | os.PathLike) -> Config:
     """读取文件夹里的 config.json。"""
-    file = Path(path) / "config.json"
-    if not file.is_file():
+    if not (file := Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"{path} 里没有 config.json：请指向含 config.json 与 *.safetensors 的检查点文件夹（如 {REPO_ID} 的本地副本）")
     try:
         return Config.from_dict(json.loads(file.read_text(encoding="utf-8")))
@@ -111,22 +112,23 @@ def load_config(path: str | os.PathLike) -> Config:
 
 
 def find_model(path: str | os.PathLike | None = None) -> Path:
-    """找到检查点文件夹：显式路径（"demo" 是随包附带的小模型）> 环境变量 QWEN_MODEL > 本地 HF 缓存 > 下载。"""
+    """找到检查点文件夹：显式路径（"demo" 是随包附带的小模型；不是文件夹的 "Qwen/Qwen3.5-35B-A3B" 这样的仓库名先找
+    本地 HF 缓存、再下载）> 环境变量 QWEN_MODEL > 本地 HF 缓存里的 Qwen3.5-0.8B > 下载它。"""
     path = path if path is not None else os.environ.get("QWEN_MODEL") or None
-    if path is not None:
-        p = DEMO_PATH if str(path) == "demo" else Path(path).expanduser()
+    p = DEMO_PATH if str(path) == "demo" else Path(path or ".").expanduser()
+    repo = REPO_ID if path is None else str(path) if REPO_NAME.fullmatch(str(path)) and not p.exists() else None
+    if repo is None:
         if not p.is_dir():
             raise FileNotFoundError(f"模型路径 {p} 不存在或不是文件夹")
         return p
-
     from huggingface_hub import snapshot_download  # 只在需要时导入
-    for local in (True, False):  # 先只看本地缓存，不碰网络；再下载（约 1.7 GB，带 huggingface_hub 的进度条）
+    for local in (True, False):  # 先只看本地缓存，不碰网络；再下载（0.8B 约 1.7 GB，带 huggingface_hub 的进度条）
         try:
-            return Path(snapshot_download(REPO_ID, allow_patterns=NEEDED_FILES, local_files_only=local))
+            return Path(snapshot_download(repo, allow_patterns=NEEDED_FILES, local_files_only=local))
         except Exception as e:
             error = e
-    raise FileNotFoundError(f"找不到模型 {REPO_ID}：本地 Hugging Face 缓存里没有，下载也失败了（{type(error).__name__}）。"
-                            f"离线时请把检查点文件夹传给 path 参数或 --model，或设置环境变量 QWEN_MODEL=/path/to/Qwen3.5-0.8B。")
+    raise FileNotFoundError(f"找不到模型 {repo}：它不是本地的文件夹，本地 Hugging Face 缓存里没有，下载也失败了（{type(error).__name__}）。"
+                            f"离线时请把检查点文件夹传给 path 参数或 --model，或设置环境变量 QWEN_MODEL=/path/to/检查点")
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -178,8 +180,7 @@ def load_weights(path: str | os.PathLike, part: str = "model.", dtype: torch.dty
 
 
 def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """读一个张量到自己的内存里（safetensors 给的是文件映射的视图，读过的页都算进常驻内存）：单独打开、转换或拷出、关掉。
-    矩阵（含堆叠的专家 [E, out, in]）用 dtype，其余（范数、A_log、卷积核）用 float32。"""
+    """读一个张量到自己的内存里（文件映射的视图读过的页都算进常驻内存）；矩阵（含堆叠的专家）用 dtype，其余用 float32。"""
     with open_safetensors(file) as f:
         if not (t := f.get_tensor(name)).is_floating_point():
             raise ValueError(f"{file} 里的 {name} 是 {t.dtype}：权重应是浮点张量（BF16、F16 或 F32）")
@@ -190,9 +191,8 @@ def read_tensor(file: Path, name: str, dtype: torch.dtype | None) -> torch.Tenso
 def check_state_dict(expected: dict[str, torch.Size], got: dict[str, torch.Tensor], what: str) -> None:
     """在交给 load_state_dict 之前检查名字和形状，报出能看懂的错误。"""
     lines = [f"{what} 的张量与模型对不上："]
-    for word, names in (("缺少", sorted(set(expected) - set(got))), ("多出", sorted(set(got) - set(expected)))):
-        if names:
-            lines.append(f"  {word} {len(names)} 个：{', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
+    lines += [f"  {word} {len(names)} 个：{', '.join(names[:10])}" + (" ..." if len(names) > 10 else "") for word, names
+              in (("缺少", sorted(set(expected) - set(got))), ("多出", sorted(set(got) - set(expected)))) if names]
     if len(lines) > 1:
         raise ValueError("\n".join(lines + ["  检查点与 config.json 是否来自同一个模型？"]))
     for name, shape in expected.items():

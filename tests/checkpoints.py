@@ -192,22 +192,29 @@ def per_expert(tensors: dict, prefix: str) -> dict:
     return out
 
 
+def moe_config(**overrides):
+    """transformers 的 Qwen3_5MoeTextConfig：MOE_TINY 的形状，输出头不与嵌入共用。"""
+    from transformers import Qwen3_5MoeTextConfig
+
+    kw = {**MOE_TINY, **overrides}
+    kw.setdefault("max_position_embeddings", 4096)
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    return Qwen3_5MoeTextConfig(**kw, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=rope,
+                                eos_token_id=kw["vocab_size"] - 1)
+
+
 def make_moe_checkpoint(path, seed: int = 0, mtp: bool = True, dtype=torch.float32, out_scale: float = OUT_SCALE,
                         main_layout: str = "stacked", mtp_layout: str = "per_expert", **overrides):
     """专家混合的随机检查点（Qwen3.5-35B-A3B 的布局）：model_type "qwen3_5_moe"，输出头不共用，主干的专家堆叠存放
     （main_layout="per_expert"：按专家分开，像 FP8 版），MTP 层也是专家混合层、按专家分开存（mtp_layout="stacked"：
     像 Qwen3.6）。返回 (path, transformers 的 Qwen3_5MoeForCausalLM)。"""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import Qwen3_5MoeForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    kw = {**MOE_TINY, **overrides}
-    kw.setdefault("max_position_embeddings", 4096)
-    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
-    cfg = Qwen3_5MoeTextConfig(**kw, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=rope,
-                               eos_token_id=kw["vocab_size"] - 1)
+    cfg = moe_config(**overrides)
     torch.manual_seed(seed)
     hf = Qwen3_5MoeForCausalLM(cfg).float().eval()
     randomize(hf, gen, out_scale)
@@ -271,11 +278,13 @@ def randomize_vision(module: torch.nn.Module, gen: torch.Generator) -> None:
 
 
 def make_vision_checkpoint(path, seed: int = 0, depth: int = 2, out_scale: float = OUT_SCALE, mtp: bool = True,
-                           dtype=torch.float32, **overrides):
+                           dtype=torch.float32, moe: bool = False, **overrides):
     """发布布局的多模态检查点：文本模型、mtp.*、视觉塔 model.visual.*（0.8B 的宽度，depth 个块）、preprocessor_config.json，
     分词器带视觉的特殊记号，图像 token 的 id 从它读（不是发布检查点的 248056：我们必须从 config.json 读）。
-    返回 (path, transformers 的 Qwen3_5ForConditionalGeneration)。"""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    moe=True：专家混合的文本模型（MOE_TINY），视觉塔照 35B-A3B 的加宽到 1152。
+    返回 (path, transformers 的 Qwen3_5ForConditionalGeneration 或 Qwen3_5MoeForConditionalGeneration)。"""
+    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                              Qwen3_5MoeForConditionalGeneration)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -283,23 +292,25 @@ def make_vision_checkpoint(path, seed: int = 0, depth: int = 2, out_scale: float
     ids = {k: tk.token_to_id(t) for k, t in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
                                                   "video_token_id"), VISION_SPECIAL)}
     gen = torch.Generator().manual_seed(seed)
-    text = hf_config(True, **overrides)
+    text = moe_config(**overrides) if moe else hf_config(True, **overrides)
     torch.manual_seed(seed)
-    cfg = Qwen3_5Config(text_config=text.to_dict(), tie_word_embeddings=True, **ids,
-                        vision_config=dict(depth=depth, out_hidden_size=text.hidden_size, **VISION_08B))
-    hf = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    kind = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe else (Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+    wide = dict(VISION_08B, hidden_size=1152, num_heads=16, intermediate_size=4304) if moe else VISION_08B
+    cfg = kind[0](text_config=text.to_dict(), tie_word_embeddings=not moe, **ids,
+                  vision_config=dict(depth=depth, out_hidden_size=text.hidden_size, **wide))
+    hf = kind[1](cfg).float().eval()
     randomize(hf.model.language_model, gen, out_scale)
     randomize_vision(hf.model.visual, gen)
     tensors = {}
     for k, v in hf.state_dict().items():
         keep32 = k.endswith("A_log") or k.endswith("linear_attn.norm.weight")
-        if k != "lm_head.weight":
+        if k != "lm_head.weight" or moe:  # 专家混合的输出头不与嵌入共用
             tensors[k] = v.to(torch.float32 if keep32 else dtype).contiguous()
     if mtp:
         tensors.update({k: v.to(dtype) for k, v in mtp_tensors(text, gen).items()})
     save_shards(path, tensors)
     config = cfg.to_dict()
-    config["text_config"].update(model_type="qwen3_5_text", mtp_num_hidden_layers=1)
+    config["text_config"].update(model_type="qwen3_5_moe_text" if moe else "qwen3_5_text", mtp_num_hidden_layers=1)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     return path, hf

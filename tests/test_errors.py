@@ -136,6 +136,9 @@ def test_find_model_offline_nothing_cached(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ERR")
     assert "Qwen/Qwen3.5-0.8B" in out.stdout and "QWEN_MODEL" in out.stdout
+    code = code.replace("find_model()", "find_model('Qwen/Qwen3.5-35B-A3B')")  # 仓库名（不是本地的文件夹）：同样先找缓存、再下载
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("ERR 找不到模型 Qwen/Qwen3.5-35B-A3B：它不是本地的文件夹"), out.stdout + out.stderr
 
 
 def test_compile_without_a_working_compiler(tiny, monkeypatch):

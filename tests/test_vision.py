@@ -100,6 +100,31 @@ def test_greedy_after_an_image_equals_transformers_generate(vision, tower):
     assert len(set(got)) > 3  # 续写不是一个 token 的重复：比的是真的生成
 
 
+def test_an_moe_model_sees_images_like_transformers(tmp_path):
+    """专家混合的多模态检查点（Qwen3_5MoeForConditionalGeneration 的布局，视觉塔加宽到 1152）：塔与 logits 在参考实现的误差
+    之内，贪心续写与 transformers 的 generate 逐 token 相同；快路径（int4）上投机解码与普通贪心逐 token 相同。"""
+    from qwen.fast import load
+
+    moe = make_vision_checkpoint(tmp_path / "moe", seed=8, out_scale=1.0, moe=True, depth=1)
+    path, hf = moe
+    model, tower = Model.from_pretrained(path), VisionTower.from_pretrained(path)
+    img = picture(64, 96, 5)
+    images = tower.encode([img])
+    ids = images.expand(prompt_ids(tower.cfg, [10, "image", 11, 12]))
+    ref = reference(moe, [img])
+    kw = dict(pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+              mm_token_type_ids=(ids == tower.cfg.image_token_id).int())
+    with torch.no_grad():
+        want = hf(input_ids=ids, **kw).logits
+        assert (model(ids, images=images) - want).abs().max() <= 1e-4 * want.abs().max()
+        greedy = hf.generate(input_ids=ids, **kw, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert generate(model, ids, 12, images=images) == greedy and len(set(greedy)) > 3
+    fast, mtp = load(path, dtype=torch.bfloat16, quantize="int4")
+    images = VisionTower.from_pretrained(path, dtype=torch.bfloat16).encode([img])
+    plain = generate(fast, ids, 20, images=images)
+    assert generate_mtp(fast, mtp, ids, 20, draft_tokens=2, images=images)[0] == plain
+
+
 def test_speculative_equals_plain_with_a_real_tower(vision):
     """bfloat16 的快路径与 bfloat16 的塔：投机解码与逐个解码逐 token 相同（每条快路径上、草稿有接受有拒绝的版本见
     test_exact.py 的 test_speculation_with_an_image_equals_greedy）。"""

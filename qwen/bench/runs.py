@@ -31,12 +31,32 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, layout: str = "auto",
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))
     plain = generate(model, prompt, tokens)  # 普通贪心的输出：投机解码要与它逐个相同
     out["plain_tokens"] = plain
+    if model.cfg.num_experts:  # 专家混合：一次验证 k + 1 行碰到几个不同的专家（每层平均）
+        out["experts_per_verify"] = experts_per_verify(model, torch.cat([prompt[0], torch.tensor(plain)])[None])
     if spec:
         out["spec"] = SpecBench(model, mtp, prompt, plain, tokens, seeds).all()
         out["draft_vocab"] = None if mtp.draft_ids is None else len(mtp.draft_ids)
     out["peak_rss_gb"] = peak_rss_gb()  # 模型运行的峰值：在下面建测带宽的缓冲区之前读
     out.update(decode_and_bandwidth(model, prompt, tokens))
     return out
+
+
+def experts_per_verify(model, ids, rows=(1, 2, 3, 4, 5)) -> dict:
+    """贪心续写的 token 上，相继 r 行（一次验证 k = r − 1 个草稿）平均碰到几个不同的专家（各层平均）：每层的路由照
+    快路径的 route_rows 算（路由器的输入由钩子记下）→ {r: 个数}。"""
+    from ..fast.experts import route_rows
+
+    picks = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, o: picks.append(o.reshape(-1, o.shape[-1])))
+             for layer in model.layers]
+    with torch.enable_grad():  # 求导开着时快路径的专家混合层走 Python 的写法（router 是一个模块，钩子看得见）
+        model(ids)
+    for h in hooks:
+        h.remove()
+    idx = [route_rows(s[:, :-1].detach(), model.cfg.num_experts_per_tok)[1] for s in picks]  # 每层 [T, k]
+    T = ids.shape[1]
+    return {r: sum(len(set(i[t : t + r].flatten().tolist())) for i in idx for t in range(T - r)) / (len(idx) * (T - r))
+            for r in rows}
 
 
 def plain_run(model, prompt, n):

@@ -93,7 +93,11 @@ def spec_table(res: dict) -> list:
         vocab = f"起草词表 {q['draft_vocab']} 个 token" if q.get("draft_vocab") else "起草给全词表打分"
         cost = f"，量得的起草代价 {q['draft_cost']:.2f} 步" if q.get("draft_cost") is not None else ""
         gaps = [abs(s["speedup"] - s["speedup_total"]) for s in spec]
-        lines += [f"{name}：{vocab}{cost}；连同 {PROMPT_LEN} 个 token 的预填充算的加速比与表里的差 {min(gaps):.2f}～{max(gaps):.2f}。",
+        touched = q.get("experts_per_verify")
+        experts = "" if not touched else "；一次验证 k + 1 行每层读到的不同专家：" + "、".join(
+            f"{r} 行 {n:.1f} 个" for r, n in touched.items())
+        lines += [f"{name}：{vocab}{cost}；连同 {PROMPT_LEN} 个 token 的预填充算的加速比与表里的差 {min(gaps):.2f}～{max(gaps):.2f}"
+                  f"{experts}。",
                   "",
                   "| 接受率 a | k = 1 | k = 2 | k = 3 | 自动挑 k | 课程做法（k = 1） |", "|---|---|---|---|---|---|"]
         for a in sorted({s["a"] for s in spec}):
