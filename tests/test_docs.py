@@ -65,6 +65,16 @@ def test_performance_tables_are_generated_from_bench_json():
     assert update(text, res) == text
 
 
+def test_moe_tables_are_generated_from_their_run():
+    """moe.md（专家混合）的表由它自己的一次完整运行 docs/bench-moe.json 生成：与 llama.cpp 的对照、投机解码，每个 token 读的
+    字节只算 k 个专家；投机解码那张表写着一次验证读到的不同专家数。"""
+    text, res = (DOCS / "moe.md").read_text(), json.loads((DOCS / "bench-moe.json").read_text())
+    assert {m.group(2) for m in MARK.finditer(text)} == {"run", "decode", "compare", "spec"}
+    assert stale(text, res) == [], "表与 docs/bench-moe.json 不符：运行 python -m qwen.bench.tables docs/moe.md --json docs/bench-moe.json"
+    assert "35B-A3B" in res["model"] and all(r.get("llama_cpp") for r in res["runs"].values())
+    assert "一次验证 k + 1 行每层读到的不同专家" in render("spec", res)
+
+
 def test_a_changed_number_is_caught_and_rewritten():
     """改掉表里的一个数，stale 就说出是哪张表，update 把它改回来；标记之外的文字不动。"""
     res = json.loads((DOCS / "bench.json").read_text())

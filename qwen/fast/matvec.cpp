@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include <omp.h>
 #if defined(__AVX__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -251,11 +253,12 @@ inline int64_t adjacent_blocks(int acc, int64_t rows) {
 }
 
 // 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那一段：每 N 块一份，tile(n, b) 乘第 b 起的 n 块
-// （n 是编译期的常数 1、2 或 4；不够 N 块的尾巴一块一块地乘）。work 很小的矩阵不值得叫醒别的线程
+// （n 是编译期的常数 1、2 或 4；不够 N 块的尾巴一块一块地乘）。work 很小的矩阵不值得叫醒别的线程；已经在并行区里
+// （layer.cpp 的专家混合：两个线程各乘几个专家）时不再另开线程，不然每个线程又各叫醒一队，线程比核多
 template <typename F>
 void for_tiles(int64_t B, int64_t N, int64_t work, F tile) {
   const int64_t tiles = (B + N - 1) / N;
-#pragma omp parallel for schedule(static) if (work >= 32768)
+#pragma omp parallel for schedule(static) if (work >= 32768 && !omp_in_parallel())
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t b = t * N;
     if (N == 4 && b + 4 <= B) tile(std::integral_constant<int, 4>{}, b);
