@@ -1,6 +1,6 @@
 """qwen：手写、可读、快速的 Qwen3.5 PyTorch 实现。
 
-按课程顺序阅读：weights → embedding → norm → mlp → rope → attention → deltanet → chunk
+按课程顺序阅读：weights → embedding → norm → mlp（与它旁边的 moe）→ rope → attention → deltanet → chunk
 → layer → model → cache → sample → chat → batch → mtp → vision。
 
 import qwen 只读各章；附录（qwen.fast 的快路径、Conversation）第一次用到时才读（PEP 562 的模块 __getattr__）：

@@ -147,7 +147,7 @@ def load_pretrained(cls, cfg, path, part: str, dtype, what: str, old=None, read=
     sd = load_weights(path, part, dtype, read)
     if not sd:
         raise ValueError(f"检查点 {path} 里没有 {part}* 张量：它没有{what}")
-    sd = stack_experts(sd, cfg, f"检查点 {path} 的{what}")  # 专家按堆叠的布局（第 4 章附）
+    sd = stack_experts(sd, cfg, f"检查点 {path} 的{what}") if part in ("model.", "mtp.") else sd  # 专家：第 4 章附
     tied = part == "model." and cfg.tie_word_embeddings  # 共用嵌入：检查点里没有 lm_head.weight
     if tied:
         sd.pop("lm_head.weight", None)
