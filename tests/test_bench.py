@@ -52,6 +52,32 @@ def test_bytes_per_token_from_the_shapes(tiny):
         assert bytes_per_token(model) == (matrices + h) * dtype.itemsize + 4 * small
 
 
+def test_an_moe_random_checkpoint_and_the_bytes_a_token_reads(tmp_path):
+    """--size 35B-A3B 的随机检查点是专家混合的发布布局（model_type qwen3_5_moe，堆叠的专家，输出头不共用）；一个 token
+    读的字节只算它的 k 个专家：由配置里的形状独立算出（这里窄：hidden 64、16 个专家里用 4 个）。"""
+    from qwen.bench.checkpoint import SIZES
+
+    c = Config(**{**SIZES["35B-A3B"], "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
+                  "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                  "linear_value_head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48})
+    path = random_checkpoint(tmp_path / "moe", c)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe" and config["text_config"]["num_experts"] == 16
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in json.loads(
+        (path / "model.safetensors.index.json").read_text())["weight_map"]
+    model = load_model(path, dtype=torch.bfloat16)
+    h, qkv = c.hidden_size, 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    v = c.linear_num_value_heads * c.linear_value_head_dim
+    deltanet = h * (qkv + v + 2 * c.linear_num_value_heads) + v * h
+    attention = h * 2 * c.num_attention_heads * c.head_dim + 2 * h * c.num_key_value_heads * c.head_dim + c.num_attention_heads * c.head_dim * h
+    ffn = (c.num_experts + 1) * h + 3 * h * c.shared_expert_intermediate_size + c.num_experts_per_tok * 3 * h * c.moe_intermediate_size
+    matrices = 3 * deltanet + attention + c.num_hidden_layers * ffn + c.vocab_size * h
+    small = 3 * (qkv * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads + c.linear_value_head_dim)
+    small += 2 * c.head_dim + c.num_hidden_layers * 2 * h + h
+    assert bytes_per_token(model) == (matrices + h) * 2 + 4 * small
+
+
 def test_merge_rounds_takes_the_fastest_decode_with_its_own_bandwidth():
     a = dict(decode_tok_s=10.0, bandwidth_gb_s=30.0, prefill_s=2.0, peak_rss_gb=2.3, spec=[1])
     b = dict(decode_tok_s=12.0, bandwidth_gb_s=50.0, prefill_s=2.5, peak_rss_gb=2.1)

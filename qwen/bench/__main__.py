@@ -129,7 +129,7 @@ def main(argv=None):
         tmp = tempfile.TemporaryDirectory(prefix="qwen-bench-")
         print(f"按 Qwen3.5-{args.size} 的形状造随机权重（bfloat16）…", file=sys.stderr, flush=True)
         layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
-        args.model = random_checkpoint(tmp.name, Config(**SIZES[args.size], **layers))
+        args.model = random_checkpoint(tmp.name, Config(**{**SIZES[args.size], **layers}))
         name = f"随机权重，Qwen3.5-{args.size} 的形状" + ("" if args.layers is None else f"，只有 {args.layers} 层")
     else:
         args.model = find_model(args.model)
