@@ -71,5 +71,3 @@ def speed_up_moe(moe: SparseMoE, kernel=None, quantize=None, dtype=None) -> None
         gate_up, down = reader(e) if reader is not None else (experts.gate_up_proj[e].detach(), experts.down_proj[e].detach())
         moe.gate_up.append(fast_linear([Linear(gate_up)], kernel, quantize, dtype))
         moe.down.append(fast_linear([Linear(down)], kernel, quantize, dtype))
-    if reader is not None:
-        reader.close()

@@ -8,6 +8,7 @@ n 字节的 JSON 头（每个张量的 dtype、shape 与 data_offsets），再�
 """
 
 import json
+import math
 import os
 import threading
 from contextlib import ExitStack
@@ -93,23 +94,23 @@ def materialize(root: nn.Module, path, part: str, prefix: str = "", raw: bool = 
 
 class ExpertReader:
     """一层的专家留在检查点文件里：reader(e) 只读出第 e 个专家的 (gate_up [2I, hidden]、down [hidden, I])——堆叠存的
-    （experts.gate_up_proj [E, 2I, hidden]）按切片读，按专家分开存的（experts.{e}.gate_proj.weight 等）读它的三个张量。
-    换布局时一个专家一个专家地读、换掉：35B-A3B 一层的专家在 bfloat16 里有 1.6 GB，不必整层读进内存。
-    dtype：转成它（None：文件里的 dtype）。用完 close()（打开的文件一层之内只打开一次）。"""
+    （experts.gate_up_proj [E, 2I, hidden]）读第 e 段，按专家分开存的（experts.{e}.gate_proj.weight 等）读它的三个张量。
+    换布局时一个专家一个专家地读、换掉：35B-A3B 一层的专家在 bfloat16 里有 1.6 GB，不必整层读进内存。按偏移直接读文件
+    （RowReader），不用内存映射：映射里读过的页在文件关上之前都算进常驻内存，一层的专家读完就是 1.6 GB。
+    dtype：转成它（None：文件里的 dtype）。"""
 
     def __init__(self, path, part: str, base: str, index: dict, dtype=None):
         self.path, self.part, self.base, self.index, self.dtype = path, part, base, index, dtype
-        self.files = ExitStack()
-        self.opened = {}
+        self.headers = {}  # 文件 → 它的文件头（分开存时一层有 768 个张量：每个文件的头只读一次）
         self.stacked = has_tensor(path, part, base + ".gate_up_proj", index)
 
     def read(self, key: str, e: int | None = None) -> torch.Tensor:
         file, full = tensor_file(self.path, self.part, key, self.index)
-        if file not in self.opened:
-            self.opened[file] = self.files.enter_context(open_safetensors(file))
-        t = self.opened[file].get_tensor(full) if e is None else self.opened[file].get_slice(full)[e]
-        own = t.to(self.dtype or t.dtype)
-        return own.clone() if own.data_ptr() == t.data_ptr() else own  # 拷进自己的内存（不留文件映射的页）
+        if file not in self.headers:
+            self.headers[file] = file_header(file)
+        rows = RowReader(file, full, self.dtype, self.headers[file])
+        shape = rows.tensor_shape if e is None else rows.tensor_shape[1:]
+        return (rows.rows(0, rows.shape[0]) if e is None else rows.rows(e, e + 1)).view(shape)
 
     def __call__(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stacked:
@@ -117,8 +118,12 @@ class ExpertReader:
         gate_up = torch.cat([self.read(f"{self.base}.{e}.{k}.weight") for k in ("gate_proj", "up_proj")])
         return gate_up, self.read(f"{self.base}.{e}.down_proj.weight")
 
-    def close(self) -> None:
-        self.files.close()
+
+def file_header(file) -> tuple[int, dict]:
+    """safetensors 文件的头：(数据区在文件里的偏移, {张量名: dtype、shape、data_offsets})。"""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
 
 
 def has_tensor(path, part: str, key: str, index: dict) -> bool:
@@ -130,20 +135,22 @@ def has_tensor(path, part: str, key: str, index: dict) -> bool:
 
 
 class RowReader:
-    """检查点里的一个二维张量，留在磁盘上：reader[ids] 只读出这几行。"""
+    """检查点里的一个张量，留在磁盘上：reader[ids] 只读出这几行（沿第一维；三维的堆叠专家 [E, out, in] 的一“行”是一个
+    专家）。header：file_header 读好的文件头（读同一个文件里的很多张量时只读一次）。"""
 
-    def __init__(self, file: str | os.PathLike, name: str, dtype: torch.dtype | None = None):
+    def __init__(self, file: str | os.PathLike, name: str, dtype: torch.dtype | None = None, header=None):
         self.file = open(file, "rb")  # 一直开着，对象回收时关闭
         self.lock = threading.Lock()  # 没有 os.pread 的系统上，seek 与 read 要成对地做
-        n = int.from_bytes(self.file.read(8), "little")
-        info = json.loads(self.file.read(n))[name]
-        if info["dtype"] not in SAFETENSORS_DTYPES or len(info["shape"]) != 2:
-            raise ValueError(f"{file} 里的 {name} 是 {info['dtype']} {info['shape']}：按行读只支持二维的浮点张量")
+        data, head = header or file_header(file)
+        info = head[name]
+        if info["dtype"] not in SAFETENSORS_DTYPES or len(info["shape"]) < 2:
+            raise ValueError(f"{file} 里的 {name} 是 {info['dtype']} {info['shape']}：按行读只支持二维以上的浮点张量")
         self.file_dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        self.shape = tuple(info["shape"])  # [行数, 列数]
+        self.tensor_shape = tuple(info["shape"])
+        self.shape = (self.tensor_shape[0], math.prod(self.tensor_shape[1:]))  # [行数, 一行几个数]
         self.dtype = dtype or self.file_dtype
         self.row_bytes = self.shape[1] * self.file_dtype.itemsize
-        self.start = 8 + n + info["data_offsets"][0]  # 这个张量的第 0 行在文件里的偏移
+        self.start = data + info["data_offsets"][0]  # 这个张量的第 0 行在文件里的偏移
 
     def __del__(self):
         if hasattr(self, "file"):
