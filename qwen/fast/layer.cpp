@@ -41,6 +41,11 @@ void matvec_i8(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const int
                int64_t y_bf16);
 void matvec_q4(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, void* y, int64_t B,
                int64_t y_bf16);
+void quantize_input(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, int8_t* xq, float* dx, int32_t* sum);
+void matvec_i8_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
+                    const int8_t* w, const float* s, void* y, int64_t B, int64_t y_bf16);
+void matvec_q4_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
+                    const uint8_t* w, const uint16_t* s, void* y, int64_t B, int64_t y_bf16);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)  // 只在有 AVX-512 BF16 的 CPU 上编进去（别的 CPU 不建这种布局）
 void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, void* y, int64_t B);
 #endif
@@ -100,6 +105,7 @@ struct Rows {
   std::vector<float> f;
   void resize(int64_t n) { bf16 ? h.resize(n) : f.resize(n); }
   void* data() { return bf16 ? static_cast<void*>(h.data()) : static_cast<void*>(f.data()); }
+  const void* cdata() const { return bf16 ? static_cast<const void*>(h.data()) : static_cast<const void*>(f.data()); }
   void to_float(float* out, int64_t n) const {  // .float()
     if (bf16)
       for (int64_t i = 0; i < n; ++i) out[i] = bf16_value(h[i]);
@@ -117,6 +123,8 @@ Rows model_rows(bool bf16, const float* x, int64_t n) {  // float32 → 模型�
     std::memcpy(r.f.data(), x, n * sizeof(float));
   return r;
 }
+
+void trim(Rows& y, const Lin& L, int64_t M);
 
 // y = x [M, n_in] 乘 L → [M, n_out]，模型的 dtype（与 kernel.py 的 Kernel.matvec 一样地调用内核，再去掉补的零列）
 Rows linear(const Lin& L, Rows& x, int64_t M) {
@@ -139,12 +147,35 @@ Rows linear(const Lin& L, Rows& x, int64_t M) {
     if (L.kind == 0) matvec_f32(xf.data(), 0, M, L.n_in, static_cast<const float*>(L.w), nullptr, y.data(), L.blocks, x.bf16);
     else matvec_bf16(xf.data(), 0, M, L.n_in, static_cast<const uint16_t*>(L.w), nullptr, y.data(), L.blocks, x.bf16);
   }
-  if (width != L.n_out) {  // 去掉每行末尾补的零列（往前挪，就地）
-    const int64_t size = y.bf16 ? 2 : 4;
-    char* p = static_cast<char*>(y.data());
-    for (int64_t m = 1; m < M; ++m) std::memmove(p + m * L.n_out * size, p + m * width * size, L.n_out * size);
-    y.resize(M * L.n_out);
-  }
+  trim(y, L, M);
+  return y;
+}
+
+void trim(Rows& y, const Lin& L, int64_t M) {  // 去掉每行末尾补的零列（往前挪，就地）
+  const int64_t width = L.blocks * QWEN_BLOCK, size = y.bf16 ? 2 : 4;
+  if (width == L.n_out) return;
+  char* p = static_cast<char*>(y.data());
+  for (int64_t m = 1; m < M; ++m) std::memmove(p + m * L.n_out * size, p + m * width * size, L.n_out * size);
+  y.resize(M * L.n_out);
+}
+
+// 量化好的输入（quantize_input，每行一次）的第 rows[0…M−1] 行乘 int8 或 int4 的 L：与 linear 的结果逐位相同
+struct Quantized {
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int32_t> sum;
+};
+
+Rows linear_rows(const Lin& L, const Quantized& x, const int64_t* rows, int64_t M, bool bf16) {
+  Rows y{bf16, {}, {}};
+  y.resize(M * L.blocks * QWEN_BLOCK);
+  if (L.kind == 3)
+    matvec_i8_rows(x.xq.data(), x.dx.data(), x.sum.data(), rows, M, L.n_in, static_cast<const int8_t*>(L.w),
+                   static_cast<const float*>(L.s), y.data(), L.blocks, bf16);
+  else
+    matvec_q4_rows(x.xq.data(), x.dx.data(), x.sum.data(), rows, M, L.n_in, static_cast<const uint8_t*>(L.w),
+                   static_cast<const uint16_t*>(L.s), y.data(), L.blocks, bf16);
+  trim(y, L, M);
   return y;
 }
 
@@ -192,9 +223,15 @@ void act_f32(const float* g, const float* u, int64_t n, float* a) {
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
 }
 
+Rows swiglu_of(Rows gu, const Lin& down, int64_t inter, int64_t M);
+
 // 一个 SwiGLU：down(act(gate_up(h)))，h [M, hidden] 模型的 dtype → [M, hidden] 模型的 dtype
 Rows swiglu(const Lin& gate_up, const Lin& down, int64_t inter, Rows& h, int64_t M) {
-  Rows gu = linear(gate_up, h, M);  // [M, 2·inter]：前一半是 gate，后一半是 up
+  return swiglu_of(linear(gate_up, h, M), down, inter, M);
+}
+
+// SwiGLU 的后一半：gate_up 的输出 gu [M, 2·inter]（前一半是 gate，后一半是 up）→ down(act(gu))
+Rows swiglu_of(Rows gu, const Lin& down, int64_t inter, int64_t M) {
   Rows a{gu.bf16, {}, {}};
   a.resize(M * inter);
   for (int64_t m = 0; m < M; ++m) {
@@ -226,6 +263,16 @@ void route_row(const float* s, int64_t E, int64_t k, bool bf16, int64_t* idx, fl
   }
 }
 
+// h 的第 rows 行乘 L（bfloat16、float32 的专家）
+Rows gathered(const Lin& L, const Rows& h, const std::vector<int64_t>& rows) {
+  const int64_t n = rows.size(), H = L.n_in, size = h.bf16 ? 2 : 4;
+  Rows xe{h.bf16, {}, {}};
+  xe.resize(n * H);
+  for (int64_t r = 0; r < n; ++r)
+    std::memcpy(static_cast<char*>(xe.data()) + r * H * size, static_cast<const char*>(h.cdata()) + rows[r] * H * size, H * size);
+  return linear(L, xe, n);
+}
+
 // 专家混合的那一半：out = x + Σ_j w_j · expert_j(h) + sigmoid(gate(h)) · shared(h)，h = norm2(x)。每个被选中的专家对选了
 // 它的那些行乘一次（两个线程各拿一些专家）；一行的各项按专家编号从小到大加：一行的结果与同时有哪些行无关
 void moe_half(const Layer& p, const float* x, int64_t M, float* out) {
@@ -248,26 +295,32 @@ void moe_half(const Layer& p, const float* x, int64_t M, float* out) {
   std::vector<int64_t> hit;
   for (int64_t e = 0; e < E; ++e)
     if (!picks[e].empty()) hit.push_back(e);
-  std::vector<std::vector<float>> ys(hit.size());
+  std::vector<Rows> ys(hit.size(), Rows{h.bf16, {}, {}});  // 每个专家的输出（模型的 dtype）
+  const bool integer = q.gate_up[0].kind == 3 || q.gate_up[0].kind == 4;  // int8、int4：每行的输入只量化一次
+  Quantized hq;
+  if (integer) {
+    const int64_t groups = (H + QWEN_QGROUP - 1) / QWEN_QGROUP;
+    hq = Quantized{std::vector<int8_t>(M * groups * QWEN_QGROUP), std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
+    quantize_input(h.data(), h.bf16, M, H, hq.xq.data(), hq.dx.data(), hq.sum.data());
+  }
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < int64_t(hit.size()); ++i) {
     const std::vector<int64_t>& rs = picks[hit[i]];
-    const int64_t n = rs.size(), size = h.bf16 ? 2 : 4;
-    Rows xe{h.bf16, {}, {}};
-    xe.resize(n * H);
-    for (int64_t r = 0; r < n; ++r)
-      std::memcpy(static_cast<char*>(xe.data()) + r * H * size, static_cast<char*>(h.data()) + (rs[r] / k) * H * size, H * size);
-    Rows y = swiglu(q.gate_up[hit[i]], q.down[hit[i]], q.inter, xe, n);
-    ys[i].resize(n * H);
-    y.to_float(ys[i].data(), n * H);
+    const int64_t n = rs.size();
+    std::vector<int64_t> rows(n);
+    for (int64_t r = 0; r < n; ++r) rows[r] = rs[r] / k;
+    ys[i] = swiglu_of(integer ? linear_rows(q.gate_up[hit[i]], hq, rows.data(), n, h.bf16) : gathered(q.gate_up[hit[i]], h, rows),
+                      q.down[hit[i]], q.inter, n);
   }
-  for (size_t i = 0; i < hit.size(); ++i) {  // 专家编号从小到大
+  for (size_t i = 0; i < hit.size(); ++i) {  // 专家编号从小到大；y.float() · w 加进各自的行
     const std::vector<int64_t>& rs = picks[hit[i]];
     for (size_t r = 0; r < rs.size(); ++r) {
       float* a = &acc[(rs[r] / k) * H];
-      const float* y = &ys[i][r * H];
       const float wr = w[rs[r]];
-      for (int64_t j = 0; j < H; ++j) a[j] = a[j] + y[j] * wr;
+      if (ys[i].bf16)
+        for (int64_t j = 0; j < H; ++j) a[j] = a[j] + bf16_value(ys[i].h[r * H + j]) * wr;
+      else
+        for (int64_t j = 0; j < H; ++j) a[j] = a[j] + ys[i].f[r * H + j] * wr;
     }
   }
   for (int64_t i = 0; i < M * H; ++i) out[i] = x[i] + acc[i];

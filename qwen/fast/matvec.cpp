@@ -535,13 +535,34 @@ void int_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* 
 // x [M, in] float32 乘量化的块 w（int4 [B, 补齐的 in / 4, 64] 字节与比例 [B, 组, 32] float16；int8 [B, 补齐的 in / 4, 32, 4]
 // 与比例 [B, 32] float32）→ y [M, B·32]
 template <typename Q>
+void matvec_quantized(const QuantizedRows& xq, int64_t M, int64_t n_in, const uint8_t* w, const void* s, Out y, int64_t B) {
+  const int64_t groups = (n_in + QIN - 1) / QIN;
+  // float32 的累加向量只算一半的寄存器：整数的另有同样多
+  const int64_t N = adjacent_blocks(WIDTH == 16 ? 8 : 4, std::min<int64_t>(M, QROWS));
+  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { int_tile<Q, decltype(n)::value>(xq, M, groups, w, s, y, B, b); });
+}
+
+template <typename Q>
 void matvec_int(const void* x, bool x_bf16, int64_t M, int64_t n_in, const uint8_t* w, const void* s, Out y, int64_t B) {
   const int64_t groups = (n_in + QIN - 1) / QIN;
   const QuantizedRows xq = x_bf16 ? quantize_rows(static_cast<const uint16_t*>(x), M, n_in, groups)
                                   : quantize_rows(static_cast<const float*>(x), M, n_in, groups);
-  // float32 的累加向量只算一半的寄存器：整数的另有同样多
-  const int64_t N = adjacent_blocks(WIDTH == 16 ? 8 : 4, std::min<int64_t>(M, QROWS));
-  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { int_tile<Q, decltype(n)::value>(xq, M, groups, w, s, y, B, b); });
+  matvec_quantized<Q>(xq, M, n_in, w, s, y, B);
+}
+
+// 量化好的输入 all（quantize_input 的 xq、dx、sum）里的第 rows[0…M−1] 行乘量化的块：专家混合层里一行的输入要乘 k 个专家，
+// 只量化一次（逐行量化，一行的结果与它和哪些行一起乘无关）
+template <typename Q>
+void matvec_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
+                 const uint8_t* w, const void* s, Out y, int64_t B) {
+  const int64_t groups = (n_in + QIN - 1) / QIN;
+  QuantizedRows r{std::vector<int8_t>(M * groups * QIN), std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(&r.xq[m * groups * QIN], xq + rows[m] * groups * QIN, groups * QIN);
+    std::memcpy(&r.dx[m * groups], dx + rows[m] * groups, groups * sizeof(float));
+    std::memcpy(&r.sum[m * groups], sum + rows[m] * groups, groups * sizeof(int32_t));
+  }
+  matvec_quantized<Q>(r, M, n_in, w, s, y, B);
 }
 
 // 对称的 int4，每个输出每 32 个输入一组（像 llama.cpp 的 Q4_0）：m 是这一组里绝对值最大的那个权重（带符号），
@@ -602,6 +623,23 @@ void matvec_i8(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const int
 void matvec_q4(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, void* y, int64_t B,
                int64_t y_bf16) {
   matvec_int<Int4>(x, x_bf16 != 0, M, n_in, w, s, Out{y, y_bf16 != 0}, B);
+}
+// 输入量化一次、乘几个矩阵（layer.cpp 的专家混合）：xq [M, 组·32]、dx [M, 组]、sum [M, 组]
+void quantize_input(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, int8_t* xq, float* dx, int32_t* sum) {
+  const int64_t groups = (n_in + QIN - 1) / QIN;
+  const QuantizedRows r = x_bf16 ? quantize_rows(static_cast<const uint16_t*>(x), M, n_in, groups)
+                                 : quantize_rows(static_cast<const float*>(x), M, n_in, groups);
+  std::memcpy(xq, r.xq.data(), r.xq.size());
+  std::memcpy(dx, r.dx.data(), r.dx.size() * sizeof(float));
+  std::memcpy(sum, r.sum.data(), r.sum.size() * sizeof(int32_t));
+}
+void matvec_i8_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
+                    const int8_t* w, const float* s, void* y, int64_t B, int64_t y_bf16) {
+  matvec_rows<Int8>(xq, dx, sum, rows, M, n_in, reinterpret_cast<const uint8_t*>(w), s, Out{y, y_bf16 != 0}, B);
+}
+void matvec_q4_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
+                    const uint8_t* w, const uint16_t* s, void* y, int64_t B, int64_t y_bf16) {
+  matvec_rows<Int4>(xq, dx, sum, rows, M, n_in, w, s, Out{y, y_bf16 != 0}, B);
 }
 void to_blocks_f32_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, float* out) {
   to_blocks(src, n, n_in, row0, out, same);
