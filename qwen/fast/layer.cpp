@@ -5,6 +5,7 @@
 //     mlp_block：  x + down(act(gate_up(norm(x))))                       act(g, u) = silu(g) · u
 //     delta_layer：x ← x + out_proj(deltanet(in_proj(norm(x))))，再接上 mlp_block 的那一半
 //     attention_layer：同上，混合器换成注意力（attention.cpp，KV 缓存由调用的人留够位置）
+//     moe_half：    专家混合层（第 4 章附 moe.py）的那一半代替 mlp_block 的：x + Σ w·expert(norm(x)) + 门·共享专家
 // 里面调用的正是 matvec.cpp、deltanet.cpp、norm.cpp 的入口，每一步的舍入与 Python 里一个运算一个运算地调用它们时相同：
 // 归一化之后转成模型的 dtype（bfloat16 就近舍入到偶数，与 .to(torch.bfloat16) 相同），矩阵乘法的结果是模型的 dtype，
 // 残差流是 float32。所以服务时几个请求拼在一起的 layer_many（share.py，逐个运算地调用这些内核）与单独解码的这一串
