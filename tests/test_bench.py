@@ -66,7 +66,6 @@ def test_an_moe_random_checkpoint_and_the_bytes_a_token_reads(tmp_path):
     assert config["model_type"] == "qwen3_5_moe" and config["text_config"]["num_experts"] == 16
     assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in json.loads(
         (path / "model.safetensors.index.json").read_text())["weight_map"]
-    model = load_model(path, dtype=torch.bfloat16)
     h, qkv = c.hidden_size, 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
     v = c.linear_num_value_heads * c.linear_value_head_dim
     deltanet = h * (qkv + v + 2 * c.linear_num_value_heads) + v * h
@@ -75,7 +74,8 @@ def test_an_moe_random_checkpoint_and_the_bytes_a_token_reads(tmp_path):
     matrices = 3 * deltanet + attention + c.num_hidden_layers * ffn + c.vocab_size * h
     small = 3 * (qkv * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads + c.linear_value_head_dim)
     small += 2 * c.head_dim + c.num_hidden_layers * 2 * h + h
-    assert bytes_per_token(model) == (matrices + h) * 2 + 4 * small
+    for dtype, layout in ((torch.bfloat16, "auto"), (torch.float32, "plain")):  # 快路径的专家与各章堆叠的专家
+        assert bytes_per_token(load_model(path, layout=layout, dtype=dtype)) == (matrices + h) * dtype.itemsize + 4 * small
 
 
 def test_merge_rounds_takes_the_fastest_decode_with_its_own_bandwidth():

@@ -5,7 +5,9 @@ import time
 
 import torch
 
+from ..fast.experts import FastMoE
 from ..fast.linear import BlockedLinear, PackedLinear
+from ..moe import SparseMoE
 
 PROMPT_LEN = 32  # 解码与投机解码用的提示词长度
 PROBE_GIB = 1.0  # 测带宽用的缓冲区：远大于缓存（L3 一般几十 MB）
@@ -22,9 +24,10 @@ def bytes_per_token(model) -> int:
     """解码一个 token 要读的权重字节数：每个矩阵读一遍（换了布局的按它的原始形状算，分块布局补的零行不算）；
     嵌入表只查一行；专家混合层的专家只读 k 个（一个 token 平均读全部专家的 k / E）。"""
     total = sum(matrix_bytes(m) for m in model.modules() if m is not model.embed_tokens)
-    for moe in (m for m in model.modules() if hasattr(m, "gate_up") and hasattr(m, "top_k")):  # 快路径的 FastMoE
-        experts = sum(matrix_bytes(m) for m in [*moe.gate_up, *moe.down])
-        total -= round(experts * (1 - moe.top_k / len(moe.gate_up)))
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):  # 各章的（堆叠的参数）或快路径的（每个专家两个矩阵）
+        experts = [*moe.gate_up, *moe.down] if isinstance(moe, FastMoE) else [moe.experts]
+        E = len(moe.gate_up) if isinstance(moe, FastMoE) else moe.experts.num_experts
+        total -= round(sum(matrix_bytes(m) for m in experts) * (1 - moe.top_k / E))
     return total + model.cfg.hidden_size * model.dtype.itemsize
 
 

@@ -289,14 +289,12 @@ class FastDecoderLayer(DecoderLayer):
         专家混合层更长的输入（预填充）：混合器照第 9 章，专家混合那一半也是一次 mlp_block（两个线程各拿一些专家）。"""
         if (partner := current()).takes(self) and can_share(x, state, valid):  # 服务时草稿头的一层：与别人拼（share.py）
             return partner.share(self, layer_many, (x, cos, sin, state))
-        if self.block is None or torch.is_grad_enabled() or x.shape[1] > STEP_ROWS and self.block.moe is None:
+        short = x.shape[1] <= STEP_ROWS  # 长的只有专家混合层走下面（预填充）
+        if self.block is None or torch.is_grad_enabled() or not short and self.block.moe is None:
             return super().forward(x, cos, sin, state, valid)
-        if x.shape[1] > STEP_ROWS:  # 专家混合层的预填充
-            x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
-            return self.ffn.down_proj.kernel.mlp_block(self.block, x)
-        if self.layer_type == "linear_attention" and state is not None and valid is None:
+        if short and self.layer_type == "linear_attention" and state is not None and valid is None:
             return self.linear_attn.whole_layer(self, x, state)
-        if self.layer_type == "full_attention" and self.block.attn.H and self.self_attn.can_step(state, valid):
+        if short and self.layer_type == "full_attention" and self.block.attn.H and self.self_attn.can_step(state, valid):
             return self.self_attn.whole_layer(self, x, cos, sin, state)
         x = x + self.mixer(self.input_layernorm(x).to(self.dtype), cos, sin, state, valid).float()
         return self.ffn.down_proj.kernel.mlp_block(self.block, x)
