@@ -84,7 +84,7 @@ def arguments(argv):
     p.add_argument("--max-new-tokens", type=at_least(1), default=120)
     p.add_argument("--draft-tokens", type=at_least(1), default=None, help="每轮起草几个 token（默认按接受率自动挑）")
     p.add_argument("--draft-vocab", type=draft_vocab, default="auto",
-                   help="起草时给哪些 token 打分：auto（默认，见 qwen/vocab.py）、all（全词表）或 n（前 n 个 id）")
+                   help="起草时给哪些 token 打分：auto（默认，见 qwen/tools/vocab.py）、all（全词表）或 n（前 n 个 id）")
     p.add_argument("--threads", type=at_least(1), default=None)
     args = p.parse_args(argv)
     args.layout = layout_of(args)  # --compile 与 --layout 矛盾时报错，不悄悄挑一个

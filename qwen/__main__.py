@@ -113,7 +113,7 @@ def chat_arguments(sub) -> None:
     p.add_argument("--seed", type=setting("seed"), default=None)
     p.add_argument("--think", action="store_true", help="开启思考模式（默认不思考）")
     p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
-                   help="交给检查点自己的对话模板的参数（比如 '{\"preserve_thinking\": true}'；发布的模板只有 --think）")
+                   help="交给对话模板的参数（比如 '{\"preserve_thinking\": true}'；发布的模板只有 enable_thinking 与 add_vision_id）")
     p.add_argument("--no-mtp", action="store_true", help="不用 MTP 草稿头做投机解码（默认检查点有草稿头就用）")
     p.add_argument("--threads", type=number(int, 1), default=None, help="PyTorch 线程数（默认不改）")
     p.set_defaults(run=chat_main)
@@ -125,7 +125,7 @@ def answer(conversation, messages, args) -> str:
                     repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                     frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias) or None)
     pieces = []
-    for piece in conversation.reply(messages, args.think, args.max_new_tokens, template_kwargs=args.chat_template_kwargs,
+    for piece in conversation.reply(messages, args.think, args.max_new_tokens, chat_template_kwargs=args.chat_template_kwargs,
                                     **settings):
         pieces.append(piece)
         print(piece, end="", flush=True)
@@ -277,10 +277,10 @@ def chat_main(args) -> None:
     try:
         model = load_model(args.model, layout_of(args), args.quantize, DTYPES.get(args.dtype))
         conversation = Conversation(Chat(model), mtp=not args.no_mtp)
-        conversation.literal.options(args.chat_template_kwargs)  # 模板收不收这些参数：先查
+        conversation.prompt.check(args.chat_template_kwargs)  # 模板收不收这些参数：先查
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
-    print(f"（{conversation.literal.describe()}）", file=sys.stderr)
+    print(f"（{conversation.prompt.describe()}）", file=sys.stderr)
     if not args.no_mtp and conversation.mtp is None:
         print("（检查点没有 MTP 草稿头：用普通解码）", file=sys.stderr)
     if model.layout == "graphs":  # 编译各张图：第一次在这台机器上要一会儿，之后从磁盘缓存读

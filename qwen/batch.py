@@ -16,13 +16,13 @@
 import torch
 
 from .cache import State
-from .sample import Penalty, Sampling, pick, stop_ids
+from .sample import Penalty, Sampling, Token, choose, stop_ids
 
 
 @torch.inference_mode()
 def generate_batch(model, prompts, max_new_tokens=100, stop=(), sampling: Sampling | None = None, images=None, **settings):
     """prompts：若干个 token id 列表（或一维张量）。返回每行的新 token 列表。每行各罚各的重复。
-    images：每行一个（第 15 章的 Images 或 None），或不给。"""
+    images：每行的图（第 15 章的 ImageRows：每行一个 Images 或 None），或不给。"""
     s = Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
     if not len(prompts):
@@ -44,17 +44,20 @@ def generate_batch(model, prompts, max_new_tokens=100, stop=(), sampling: Sampli
     gens = [s.generator(device) for _ in range(B)]  # 每行一个：与单独生成时抽到同样的随机数
     state = State(model, valid)
     penalty = Penalty(prompts, model.cfg.vocab_size, s)  # 只算真实 token，不算填充
-    logits = model(ids, state, last=True, images=images)[:, -1]  # [B, V]
+    if images is not None and not hasattr(images, "inputs"):
+        raise ValueError(f"images 应是第 15 章的 ImageRows([每行一个 Images 或 None])，收到 {type(images).__name__}")
+    inputs = images.inputs(model, ids, state) if images is not None else {}  # 图的向量与三维位置
+    logits = model(ids, state, last=True, **inputs)[:, -1]  # [B, V]
     done = [False] * B
     for i in range(max_new_tokens):
-        scores = penalty(logits)  # [B, V]
-        tokens = torch.cat([pick(scores[b : b + 1], s.temperature, s.top_k, s.top_p, g) for b, g in enumerate(gens)])  # [B]
+        scores = penalty.mask(logits)  # [B, V]
+        tokens = torch.tensor([choose(scores[b], s.temperature, s.top_k, s.top_p, g)[0] for b, g in enumerate(gens)])  # [B]
         for b, t in enumerate(tokens.tolist()):
             if not done[b]:
-                outs[b].append(t)
+                outs[b].append(t if s.logprobs is None else Token(t, logits[b], s.logprobs))
                 done[b] = t in stop
         if all(done) or i == max_new_tokens - 1:
             break
         penalty.add(tokens)
-        logits = model(tokens[:, None], state)[:, -1]  # 已停的行照算，结果丢弃：不影响别的行
+        logits = model(tokens[:, None].to(device), state)[:, -1]  # 已停的行照算，结果丢弃：不影响别的行
     return outs

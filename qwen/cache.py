@@ -3,8 +3,8 @@
 自回归生成时，每一步只喂新 token，其余信息都在状态里：
 - 全注意力层：KV 缓存 AttentionState，k、v 沿长度维增长（第 6 章）；
 - DeltaNet 层：卷积窗口与记忆矩阵 S，大小固定，与上下文长度无关（第 7 章）；
-- pos：已经处理过多少个位置；新 token 的 RoPE 位置是 pos + shift（读过图像之后 shift < 0：一张图的几百个 token
-  只占几十个位置，第 15 章）。
+- pos：已经处理过多少个位置；新 token 的 RoPE 位置是 pos + shift（位置一般就是 pos；给过三个分量的位置之后
+  两者不同，第 10 章的 hidden 记下差 shift）。
 
 0.8B 里 18 个 DeltaNet 层的状态一共 18 × 16 × 128 × 128 × 4 字节 ≈ 19 MB，
 6 个注意力层每个 token 只存 2 × 2 × 256 个数：这就是混合架构长上下文便宜的原因。
@@ -32,7 +32,7 @@ class State:
     def __init__(self, model, valid: torch.Tensor | None = None):
         """valid [B, T₀]（可选）：左填充的提示词里哪些位置是真实 token。"""
         self.pos = 0
-        self.shift = 0  # RoPE 位置 − pos（纯文本时是 0；左填充的批处理里可以是每行一个数的张量 [B]）
+        self.shift = 0  # RoPE 位置 − pos（一般是 0；左填充的批处理里可以是每行一个数的张量 [B]）
         self.layers = [
             AttentionState() if t == "full_attention" else DeltaNetState() for t in model.cfg.layer_types
         ]

@@ -1,7 +1,7 @@
 """第 13 章 · 对话：分词器、Qwen3.5 的对话格式、流式输出中文。
 
-模型只认 token id：分词器（检查点里的 tokenizer.json，用 `tokenizers` 库读）把文字切成 id，再把 id 拼回文字。Qwen 用
-字节级 BPE，一个汉字（UTF-8 三个字节）可能切进两三个 token：流式输出时半个汉字会解码成 “�”，所以攒着，等不再以它结尾再输出。
+模型只认 token id：分词器（检查点里的 tokenizer.json，用 `tokenizers` 库读）把文字切成 id，再把 id 拼回文字；流式输出时
+半个汉字不输出（第 12 章附的 TextStream）。
 
 对话格式是 ChatML：每轮 `<|im_start|>{角色}\\n{内容}<|im_end|>\\n`，最后以 `<|im_start|>assistant\\n` 请模型接话。
 “思考”时模型先在 <think>…</think> 里推理，不思考时模板放一个空的。build_prompt 照着发布的对话模板（Jinja）手写：工具说明
@@ -9,13 +9,14 @@
 """
 
 import json
-from itertools import takewhile
+from itertools import count, takewhile
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 from .sample import stream
+from .streaming import TextStream
 
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # 模板里的一张图；<|image_pad|> 之后按图的大小展开（第 15 章）
@@ -23,19 +24,31 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # 模板里的一张图�
 TOOLS_PROMPT = (Path(__file__).parent / "tools_prompt.txt").read_text(encoding="utf-8")
 
 
-def text_of(content, i: int, images: list | None = None, add_vision_id: bool = False) -> str:
-    """消息内容 → 去掉首尾空白的文字。内容是字符串、None 或分段的列表：文字 {"type": "text", "text": …}，图像 {"type": "image",
-    "image": 路径、bytes、PIL 图像} 或 {"type": "image_url", …}（OpenAI）写成 IMAGE、记进 images（系统消息的是 None）。"""
+def chat_template(folder: Path) -> tuple:
+    """检查点文件夹 → (对话模板的文字, 它在哪个文件里)，没有时 (None, "")：先看 chat_template.jinja，再看 tokenizer_config.json
+    的 chat_template。有没有模板只在这里判断；附录照这段文字渲染检查点自己的模板。"""
+    jinja, config = folder / "chat_template.jinja", folder / "tokenizer_config.json"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), jinja.name
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+    except (ValueError, AttributeError):
+        raise ValueError(f"{config} 不是 JSON 对象：读不出它的 chat_template") from None
+    return (value, config.name) if isinstance(value, str) and value.strip() else (None, "")
+
+
+def text_of(content, i: int, numbers=None, add_vision_id: bool = False) -> str:
+    """消息内容 → 去掉首尾空白的文字。内容是字符串、None 或分段的列表：文字 {"type": "text", "text": …}，图写成 IMAGE
+    （第 15 章的 pictures(messages) 是同样顺序的那几张；numbers：给图编号的 itertools.count(1)；系统消息的是 None：不能带图）。"""
     out = ""
     for c in content if isinstance(content, list) else [{"text": content or ""}]:
         kind = next((k for k in ("image", "image_url", "text") if isinstance(c, dict) and (k in c or c.get("type") == k)), None)
-        if kind == "text" and isinstance(c.get("text"), str):
+        if kind in ("image", "image_url") and numbers is not None:
+            out += f"Picture {next(numbers)}: " * add_vision_id + IMAGE
+        elif kind == "text" and isinstance(c.get("text"), str):
             out += c["text"]
-        elif kind and kind != "text" and images is not None:
-            images.append(c)
-            out += f"Picture {len(images)}: " * add_vision_id + IMAGE
-        else:  # 系统消息里的图、没有 images 收下的图、视频、别的
-            why = "系统消息不能带图；别的消息带图时传 images=[] 收下它们，交给第 15 章的视觉塔" if kind not in (None, "text") else "还不支持视频"
+        else:  # 系统消息里的图、视频、别的
+            why = "系统消息不能带图" if kind not in (None, "text") else "还不支持视频"
             raise ValueError(f"第 {i} 条消息的 content 应为字符串或文字、图像分段的列表（{why}），收到 {str(c)[:60]}")
     return out.strip()
 
@@ -53,9 +66,9 @@ def tool_call_text(call, i: int) -> str:
     return f"<tool_call>\n<function={call['name']}>\n{params}</function>\n</tool_call>"
 
 
-def build_prompt(messages, enable_thinking=False, tools=None, add_generation_prompt=True, add_vision_id=False, images=None) -> str:
-    """把 [{"role": ..., "content": ...}, ...]（可选 tools：函数说明的列表）渲染成 Qwen3.5 的对话提示词。消息里的图按出现的
-    顺序记进 images（带图时必须给一个列表）；add_vision_id：每张图前写 “Picture n: ”。"""
+def build_prompt(messages, enable_thinking=False, tools=None, add_generation_prompt=True, add_vision_id=False) -> str:
+    """把 [{"role": ..., "content": ...}, ...]（可选 tools：函数说明的列表）渲染成 Qwen3.5 的对话提示词。消息里的图写成
+    IMAGE；add_vision_id：每张图前写 “Picture n: ”。"""
     if not messages:
         raise ValueError("messages 是空的：至少要有一条用户消息")
     for i, m in enumerate(messages):
@@ -63,8 +76,8 @@ def build_prompt(messages, enable_thinking=False, tools=None, add_generation_pro
         if role not in ROLES or role == "system" and i:
             raise ValueError(f"第 {i} 条消息的角色 {role!r} " + ("不对：系统消息只能是第一条" if role == "system" else
                                                               f"未知：应为 {', '.join(ROLES)} 之一"))
-    texts = [text_of(m.get("content"), i, images if m["role"] != "system" else None, add_vision_id)
-             for i, m in enumerate(messages)]
+    numbers = count(1)
+    texts = [text_of(m.get("content"), i, numbers if m["role"] != "system" else None, add_vision_id) for i, m in enumerate(messages)]
     queries = [i for i, m in enumerate(messages) if m["role"] == "user"
                and not (texts[i].startswith("<tool_response>") and texts[i].endswith("</tool_response>"))]
     if not queries:
@@ -96,27 +109,6 @@ def build_prompt(messages, enable_thinking=False, tools=None, add_generation_pro
     return "".join(parts) + generation * add_generation_prompt
 
 
-class TextStream:
-    """把逐个到来的 token 变成能安全打印的文字片段：新文字 = decode(ids[prefix:]) 减去 decode(ids[prefix:read])。"""
-
-    def __init__(self, tk):
-        self.tk, self.ids = tk, []  # 到来的全部 token
-        self.prefix = self.read = 0  # 只解码从 prefix 起的（每步的代价与回答多长无关）；prefix..read 已经输出过
-
-    def put(self, token: int) -> str:
-        self.ids.append(token)
-        old, new = (self.tk.decode(self.ids[self.prefix : end], skip_special_tokens=False) for end in (self.read, None))
-        if len(new) > len(old) and not new.endswith("\ufffd"):  # 末尾没有半个字符
-            self.prefix, self.read = self.read, len(self.ids)
-            return new[len(old) :]
-        return ""
-
-    def flush(self) -> str:  # 结束时输出剩下的（若真的是不完整的字节，也只好原样交出）
-        old, new = (self.tk.decode(self.ids[self.prefix : end], skip_special_tokens=False) for end in (self.read, None))
-        self.prefix = self.read = len(self.ids)
-        return new[len(old) :]
-
-
 class Chat:
     def __init__(self, model, path=None):  # path：检查点文件夹（分词器与对话模板在里面），默认是加载 model 的那个
         self.model = model
@@ -129,14 +121,14 @@ class Chat:
             raise ValueError(f"{path / 'tokenizer.json'} 读不了（{e}）：文件可能被截断或改坏了，请重新下载它") from None
         self.stop = [i for i in (self.tk.token_to_id("<|im_end|>"), self.tk.token_to_id("<|endoftext|>")) if i is not None]
         # 有对话模板的检查点按 ChatML 组织提示词；没有的（比如只学过代码的 demo 模型）提示词原样喂给它续写
-        self.templated = (path / "chat_template.jinja").is_file() or ((config := path / "tokenizer_config.json").is_file()
-                                                                       and "chat_template" in config.read_text(encoding="utf-8"))
+        self.template, self.template_file = chat_template(path)
+        self.templated = self.template is not None
 
-    def prompt(self, messages, enable_thinking=False, tools=None, images=None) -> str:
-        """对话消息 → 提示词文字：有模板时用 build_prompt（图记进 images），否则把各条消息的内容原样接起来。"""
+    def prompt(self, messages, enable_thinking=False, tools=None) -> str:
+        """对话消息 → 提示词文字：有模板时用 build_prompt，否则把各条消息的内容原样接起来（图同样写成 IMAGE）。"""
         if self.templated:
-            return build_prompt(messages, enable_thinking, tools, images=images)
-        return "".join(m["content"] if isinstance(m["content"], str) else text_of(m["content"], i, images)
+            return build_prompt(messages, enable_thinking, tools)
+        return "".join(m["content"] if isinstance(m["content"], str) else text_of(m["content"], i, count(1))
                        for i, m in enumerate(messages) if m.get("role") != "system")
 
     def encode(self, text: str) -> torch.Tensor:
@@ -156,5 +148,7 @@ class Chat:
 
     def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, **settings):
         """流式产出回答的文字片段，每次从头读整段对话（复用历史、投机解码、推荐的采样、内容里的控制记号当文字：附录的 Conversation）。"""
-        ids = self.encode(self.prompt(messages, enable_thinking, tools))  # 带图的对话要视觉塔：附录的 Conversation
+        if IMAGE in (text := self.prompt(messages, enable_thinking, tools)):
+            raise ValueError("消息里有图：要第 15 章的视觉塔读它们，请用附录的 qwen.Conversation")
+        ids = self.encode(text)
         return self.stream_text(stream(self.model, ids, max_new_tokens, self.stop, sampling, **settings))

@@ -61,23 +61,27 @@ class Model(nn.Module):
                              f"max_position_embeddings = {self.cfg.max_position_embeddings}")
         return ids
 
-    def hidden(self, ids, state=None, images=None) -> torch.Tensor:
-        """最后一次 norm 之后的隐藏状态 [B, T, hidden]（MTP 草稿头要用它）。images：提示词里的图（第 15 章的 Images；
-        批处理时每行一个或 None）：图像 token 的向量换成视觉塔的输出，位置换成三维的 (t, h, w)。"""
+    def hidden(self, ids, state=None, embeds=None, positions=None) -> torch.Tensor:
+        """最后一次 norm 之后的隐藏状态 [B, T, hidden]（MTP 草稿头要用它）。输入默认从 ids 查嵌入、位置从 state 数起；
+        也可以直接给（transformers 的 inputs_embeds、position_ids）：embeds [B, T, hidden]，positions [B, T] 或三个分量的
+        [3, B, T]（第 5 章的 M-RoPE）。给了位置时，之后的 token 从 max(位置) + 1 接着数（state.shift 记下它与 pos 之差）。"""
         ids = self.check_ids(ids, state)
         B, T = ids.shape
-        if images is not None:
-            return self.hidden_with_images(ids, state, images)
-        if state is not None and T > self.piece:  # 分段预填充：与一次喂完完全等价（状态本来就是为增量设计的）
-            return torch.cat([self.hidden(ids[:, i : i + self.piece], state) for i in range(0, T, self.piece)], 1)
-        valid = None if state is None or state.valid is None else state.extend_valid(T)  # [B, pos + T]：批处理的左填充
-        cos, sin = self.rope(self.positions(T, state, ids.device))
-        x = self.embed_tokens(ids)  # [B, T, hidden]
-        dtype = x.dtype  # 权重的 dtype：最后的隐藏状态转回它，交给输出头
-        x = self.run_layers(x.float(), cos, sin, state, valid)  # 残差流用 float32
-        if state is not None:
-            state.pos += T
-        return self.norm(x).to(dtype)
+        x = self.embed_tokens(ids) if embeds is None else embeds  # [B, T, hidden]：权重的 dtype，最后的隐藏状态转回它
+        p = self.positions(T, state, ids.device) if positions is None else positions
+        step, out = (self.piece if state is not None else T), []  # 带状态时分段预填充：与一次喂完完全等价
+        for i in range(0, T, step):
+            n = min(step, T - i)
+            valid = None if state is None or state.valid is None else state.extend_valid(n)  # [B, pos + n]：批处理的左填充
+            cos, sin = self.rope(p[..., i : i + n].contiguous())  # 每段是连续的张量：与只喂这一段时逐位相同
+            h = self.run_layers(x[:, i : i + n].float().contiguous(), cos, sin, state, valid)  # 残差流用 float32
+            out.append(self.norm(h).to(x.dtype))
+            if state is not None:
+                state.pos += n
+        if state is not None and positions is not None:  # shift = max(位置) + 1 − 下一个 token 的 pos（左填充时每行一个）
+            ends = positions.reshape(-1, B, T).amax((0, 2)) + 1 - (state.pos if state.valid is None else state.pos - state.pad)
+            state.shift = int(ends[0]) if state.valid is None else ends
+        return out[0] if len(out) == 1 else torch.cat(out, 1)
 
     def positions(self, T: int, state, device=None) -> torch.Tensor:
         """T 个新 token 的 RoPE 位置 [T]：pos + shift 起；左填充时 [B, T]，每行从自己的第一个真实 token 数起。"""
@@ -87,43 +91,19 @@ class Model(nn.Module):
         p = p if state.valid is None else p - state.pad[:, None]
         return p + (state.shift[:, None] if torch.is_tensor(state.shift) else state.shift)
 
-    def hidden_with_images(self, ids, state, images) -> torch.Tensor:  # 每行的图放进嵌入、排好三维位置，同样分段
-        B, T = ids.shape
-        rows = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(rows) != B:  # 批处理：每行一个
-            raise ValueError(f"images 应是每行一个（Images 或 None），收到 {len(rows)} 个，提示词有 {B} 行")
-        base, x = self.positions(T, state, ids.device).expand(B, T), self.embed_tokens(ids)  # [B, T]、[B, T, hidden]
-        lead = [0] * B if state is None or state.valid is None else (state.pad - state.pos).clamp(min=0).tolist()
-        xs, ps = list(x), [p.expand(3, -1) for p in base]  # 每行：左填充不动，真实 token 里放进图
-        for b, (im, a) in enumerate(zip(rows, lead)):
-            if im is not None:
-                xb, pb = im.place(x[b, a:], ids[b, a:], int(base[b, a]))
-                xs[b], ps[b] = torch.cat([x[b, :a], xb]), torch.cat([ps[b][:, :a], pb], 1)
-        positions, h, out = torch.stack(ps, 1), torch.stack(xs).float(), []  # [3, B, T]、[B, T, hidden]
-        cos, sin = mrope_tables(self.cfg, positions if B > 1 else positions[:, 0])
-        step = self.piece if state is not None else T  # 分段：与上面的 hidden 一样
-        for i in range(0, T, step):
-            n = min(step, T - i)
-            valid = None if state is None or state.valid is None else state.extend_valid(n)
-            out.append(self.run_layers(h[:, i : i + n], cos[..., i : i + n, :], sin[..., i : i + n, :], state, valid))
-            if state is not None:
-                state.pos += n
-        if state is not None:  # 之后的文字从 max(位置) + 1 接着数：shift = 它 − 下一个 token 的 pos
-            ends = positions.amax((0, 2)) + 1 - (state.pos if state.valid is None else state.pos - state.pad)
-            state.shift = int(ends[0]) if state.valid is None else ends
-        return self.norm(torch.cat(out, 1)).to(x.dtype)
-
     def run_layers(self, x, cos, sin, state=None, valid=None) -> torch.Tensor:  # 各层用状态里自己的那一份
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if state is None else state.layers[i], valid)
         return x
 
-    def rope(self, positions):  # 各位置的 RoPE 表 cos、sin（第 5 章）
-        return rope_tables(self.cfg, positions)
+    def rope(self, positions):  # 各位置的 RoPE 表 cos、sin（第 5 章）：[T]、[B, T]，或三个分量的 [3, B, T]
+        if positions.ndim < 3:
+            return rope_tables(self.cfg, positions)
+        return mrope_tables(self.cfg, positions if positions.shape[1] > 1 else positions[:, 0])  # 一行时同上 [T, d]
 
-    def forward(self, ids, state=None, last: bool = False, images=None) -> torch.Tensor:
+    def forward(self, ids, state=None, last: bool = False, embeds=None, positions=None) -> torch.Tensor:
         """logits [B, T, vocab]（float32）；last=True 时只算最后一个位置 [B, 1, vocab]，预填充省下大量计算。"""
-        h = self.hidden(ids, state, images)
+        h = self.hidden(ids, state, embeds, positions)
         return self.lm_head(h[:, -1:] if last else h).float()
 
     @classmethod

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from .attention import AttentionState
-from .cache import State, commit, keep_history, rollback, snapshot
+from .cache import State, commit, copy_state, keep_history, rollback, snapshot
 from .layer import DecoderLayer
 from .model import load_pretrained
 from .norm import RMSNorm
 from .rope import rope_tables
-from .sample import Penalty, Sampling, choose, probabilities, stop_ids
+from .sample import Penalty, Sampling, Token, choose, probabilities, stop_ids
 
 MAX_DRAFTS = 4  # 自动挑选时每轮最多起草几个
 PROBE_EVERY = 8  # 自动挑选选了不起草（接受率太低）时，每隔这么多轮仍起草一个：看看接受率有没有回升
@@ -44,18 +44,18 @@ class MTP(nn.Module):
         cos, sin = rope_tables(self.cfg, start + shift + torch.arange(x.shape[1], device=x.device))  # 同主模型：位置 + shift
         return self.norm(self.layers[0](x.float(), cos, sin, state)).to(emb_next.dtype)
 
-    def draft(self, model, pending: "Drafter", k: int, pick: "Run"):
-        """起草 k 个 → (草稿, 各自的分布 q 或 None)：先吃掉 pending 里的 (e_{t+1}, h_t) 对，再吃自己的输出（x 当下一步的 h）。"""
-        pending.cache.truncate(pending.start)  # 丢掉上一轮递归起草留下的推测条目
-        x = self(model.embed_tokens(pending.tokens), pending.hidden, pending.start, pending.cache, pending.shift)[:, -1:]
-        end = pending.start + pending.tokens.shape[1]  # 吃掉了：之后从 end（这一轮的开始）重新攒
-        pending.hidden, pending.tokens, pending.start = pending.hidden[:, :0], pending.tokens[:, :0], end
-        drafts, qs = [], []
+    def draft(self, model, run, k: int):
+        """读掉 run.drafter 里成对的 (e_{t+1}, h_t)，再起草 k 个 → (草稿, 分布 q 或 None)；run：Run（k = 0 时附录的 Resume 也行）。"""
+        d, shift = run.drafter, run.state.shift  # 位置的平移在主模型的 State 里（第 10 章）
+        d.cache.truncate(d.start)  # 丢掉上一轮递归起草留下的推测条目
+        n, drafts, qs = d.tokens.shape[1], [], []
+        x = self(model.embed_tokens(d.tokens), d.hidden[:, :n], d.start, d.cache, shift)[:, -1:] if n else None
+        d.hidden, d.tokens, d.start = d.hidden[:, n:], d.tokens[:, :0], d.start + n
         for i in range(k):
-            d, q = pick.choose(self.draft_logits(model, x)[0, -1:], drafts)  # 起草的分数 [1, V]
-            drafts, qs = drafts + [d], qs + [q]
+            t, q = run.choose(self.draft_logits(model, x)[0, -1:], drafts)  # 起草的分数 [1, V]
+            drafts, qs = drafts + [t], qs + [q]
             if i + 1 < k:
-                x = self(model.embed_tokens(torch.tensor([[d]], device=x.device)), x, end + i, pending.cache, pending.shift)
+                x = self(model.embed_tokens(torch.tensor([[t]], device=x.device)), x, d.start + i, d.cache, shift)
         return drafts, qs
 
     def draft_logits(self, model, x):  # x [B, 1, h] → 全词表的 float32 logits [B, 1, V]
@@ -68,9 +68,40 @@ class MTP(nn.Module):
 
 
 @dataclass
-class SpecResult:
-    """投机解码的详细结果。tokens、rounds、hits 即 generate_mtp 返回的三元组。"""
-    tokens: list = field(default_factory=list)  # 新 token（不含提示词）
+class Drafter:
+    """草稿头这一边：它的 KV 缓存，和它还没读的 (h_t, e_{t+1}) 对，从位置 start 起（最后一个 h 可能还在等下一个 token）。"""
+    cache: AttentionState
+    hidden: torch.Tensor  # [1, P, h]：主模型在这些位置的隐藏状态
+    tokens: torch.Tensor  # [1, P] 或 [1, P − 1]：每个位置的下一个 token
+    start: int
+
+    def add(self, hidden, tokens: list):
+        self.hidden, self.tokens = torch.cat([self.hidden, hidden], 1), torch.cat([self.tokens, self.tokens.new_tensor([tokens])], 1)
+
+    def copy(self) -> "Drafter":  # 生成时就地往前走：留着的那份先复制一份
+        return Drafter(copy_state(self.cache), self.hidden, self.tokens, self.start)
+
+
+def prefill(model, ids, state: State, drafter: Drafter | None = None, images=None):
+    """预填充 ids [1, T]（接着 state；images：其中的图）→ (隐藏状态 [1, T, h], 草稿头这一边：每个 h 配上下一个 token 等它来读)。"""
+    h = model.hidden(ids, state, **(images.inputs(model, ids, state) if images else {}))
+    d = drafter or Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
+    d.add(h, ids[0, int(drafter is None) :].tolist())
+    return h, d
+
+
+@dataclass
+class Run:
+    """一次投机生成：每轮都用的（怎么选：sampling、它的随机数发生器、罚重复；停止符；回滚的做法；主模型的 State；草稿头这一边；
+    已输出的 token）与边生成边记的统计。Run.start 预填充、选出第一个 token；run.stream 逐轮产出 token。"""
+    sampling: Sampling
+    generator: torch.Generator | None
+    penalty: Penalty
+    stop: set
+    recompute: bool
+    state: State  # 主模型的状态：结束时与普通解码喂完同样 token 之后的相同
+    drafter: Drafter
+    tokens: list = field(default_factory=list)  # 新 token（不含提示词）：第一个是预填充选的，最后一个下一轮跟在草稿前
     rounds: int = 0  # 验证前向的次数
     hits: int = 0  # 被接受并输出的草稿数
     drafted: int = 0  # 起草的总数
@@ -79,68 +110,72 @@ class SpecResult:
     trace: list = field(default_factory=list)  # 每轮 (起草数, 接受数, 本轮输出的 token)
     forwards: int = 0  # 主模型前向次数（含预填充与重算）
     prefill_seconds: float = 0.0  # 从调用到第一个 token 选出（预填充）的秒数：解码阶段的速度要扣掉它
-    state: State | None = None  # 结束时提交的主模型状态：与普通解码喂完同样 token 后的状态相同
+
+    @classmethod
+    @torch.inference_mode()
+    def start(cls, model, ids, sampling=None, stop=(), recompute=False, resume=None, images=None, **settings) -> "Run":
+        """预填充 ids、选出第一个 token。recompute：存档 + 重算；resume：接着读到某处的状态（附录的 Resume）；images：ids 里的图。"""
+        t0, stop, sampling = time.perf_counter(), stop_ids(stop), Sampling.of(sampling, **settings)
+        if (ids := model.check_ids(ids, resume and resume.state)).shape[0] != 1:
+            raise ValueError("投机解码一次处理一个提示词")
+        state, history = (resume.state, resume.tokens) if resume else (State(model), [])
+        penalty = Penalty([torch.cat([torch.as_tensor(history, dtype=torch.long), ids[0].cpu()])], model.cfg.vocab_size, sampling)
+        h, drafter = prefill(model, ids, state, resume and resume.drafter, images)
+        run = cls(sampling, sampling.generator(ids.device), penalty, stop, recompute, state, drafter)
+        t = run.choose(logits := model.lm_head(h[:, -1]).float())[0]  # logits [1, V]
+        run.tokens = [t if sampling.logprobs is None else Token(t, logits[0], sampling.logprobs)]  # 要对数概率时（第 12 章）
+        drafter.add(h[:, :0], [t])  # 最后一个 h 等到了它的下一个 token
+        run.prefill_seconds = time.perf_counter() - t0
+        return run
+
+    def choose(self, logits, extra=()):  # 一个位置的 logits [1, V] → (token, 分布 q；贪心时 None)；extra 见 Penalty
+        return choose(self.penalty.mask(logits, extra)[0], self.sampling.temperature, self.sampling.top_k, self.sampling.top_p, self.generator)
+
+    @torch.inference_mode()
+    def stream(self, model, mtp, max_new_tokens: int, draft_tokens=None, cost_now=None):
+        """逐轮产出新 token，边产出边记统计。draft_tokens=None：按接受率挑；cost_now：每轮问一次起草代价（默认 mtp.draft_cost）。"""
+        Sampling.check("max_new_tokens", max_new_tokens)
+        if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
+            raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
+        self.accepted_at, self.tried_at, idle = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS), 0
+        self.tokens, self.forwards = self.tokens[: int(max_new_tokens > 0)], 1
+        if not self.tokens:
+            return
+        yield list(self.tokens)
+        self.penalty.add(self.tokens)
+        while self.tokens[-1] not in self.stop and len(self.tokens) < max_new_tokens:
+            k = draft_tokens or best_draft_count(self.accepted_at[0], self.tried_at[0], cost_now() if cost_now else mtp.draft_cost)
+            k = max(k, int(idle >= PROBE_EVERY))  # 太久没起草：试一个，让接受率的估计跟上文本的变化
+            k = min(k, max_new_tokens - len(self.tokens) - 1)  # 别起草超出预算的 token
+            idle = idle + 1 if k == 0 else 0  # 连续几轮没有起草
+            n, emitted, forwards = spec_round(model, mtp, self, k, max_new_tokens - len(self.tokens))
+            self.tried_at = [t + (i < min(n + 1, k)) for i, t in enumerate(self.tried_at)]  # 第 i+1 个草稿真的被检验过（前面的都通过了）
+            self.accepted_at = [a + (i < n) for i, a in enumerate(self.accepted_at)]  # 前 n 个通过
+            self.rounds, self.forwards, self.drafted = self.rounds + 1, self.forwards + forwards, self.drafted + k
+            self.hits, self.tokens = self.hits + min(n, len(emitted)), self.tokens + emitted
+            self.trace.append((k, min(n, len(emitted)), emitted))  # 这一轮：起草 k 个，前 n 个通过，输出 emitted（可能被截短）
+            self.penalty.add(emitted)
+            yield emitted
 
     @property
     def acceptance(self) -> float:
         return self.hits / self.drafted if self.drafted else 0.0
 
-    def record(self, k: int, n: int, emitted: list, forwards: int):  # 一轮：起草 k 个，前 n 个通过，输出 emitted（可能被截短）
-        for i in range(min(n + 1, k)):  # 第 i+1 个草稿真的被检验过（它前面的都通过了）；前 n 个通过
-            self.tried_at[i] += 1
-            self.accepted_at[i] += i < n
-        self.rounds, self.forwards, self.drafted = self.rounds + 1, self.forwards + forwards, self.drafted + k
-        self.hits, self.tokens = self.hits + min(n, len(emitted)), self.tokens + emitted
-        self.trace.append((k, min(n, len(emitted)), emitted))
 
-
-@dataclass
-class Drafter:
-    """草稿头这一边的状态：它的 KV 缓存，和它还没见过的 (h_t, e_{t+1}) 对，从位置 start 起。"""
-    cache: AttentionState
-    hidden: torch.Tensor  # [1, P, h]：主模型在这些位置的隐藏状态
-    tokens: torch.Tensor  # [1, P]：每个位置的下一个 token
-    start: int
-    shift: int = 0  # 主模型的 State.shift（读过图之后）：草稿头的 RoPE 位置同样平移，提示词里图前的位置也按它算（只是草稿）
-
-    def add(self, hidden, tokens: list):
-        self.hidden, self.tokens = torch.cat([self.hidden, hidden], 1), torch.cat([self.tokens, self.tokens.new_tensor([tokens])], 1)
-
-
-@dataclass
-class Run:
-    """一次投机生成每轮都用的：怎么选 token（Sampling、随机数发生器、罚重复）、停止符、回滚的做法、主模型的 State、草稿头这一边。"""
-    s: Sampling
-    gen: torch.Generator | None
-    penalty: Penalty
-    stop: set
-    recompute: bool
-    state: State
-    drafter: Drafter | None = None
-
-    def choose(self, logits, extra=()):  # 一个位置的 logits [1, V] → (token, 分布 q；贪心时 None)；extra 见 Penalty
-        return choose(self.penalty(logits, extra)[0], self.s.temperature, self.s.top_k, self.s.top_p, self.gen)
-
-
-def forward_hidden(model, ids, state):  # → (logits [B, T, V] float32：验证要它, 最后一次 norm 之后的 [B, T, h]：草稿头要它)
-    h = model.hidden(ids, state)
-    return model.lm_head(h).float(), h
-
-
-def verify(drafts, qs, logits, pick: Run):
+def verify(drafts, qs, logits, run: Run):
     """主模型的 logits [k+1, V] 检验 k 个草稿 → (接受数 n, d₁…d_n 加一个主模型的 token)；罚重复时前面的草稿也算生成过。
     “贪心时输出不变”要求第 i 行与逐个解码时逐位相同：换个求和顺序就可能翻转持平的 argmax（普通模型只差在舍入之内）。"""
     for i, d in enumerate(drafts):
-        row = pick.penalty(logits[i : i + 1], drafts[:i])[0]
-        if pick.s.temperature == 0:  # 贪心：草稿必须正是主模型的 argmax
+        row, s = run.penalty.mask(logits[i : i + 1], drafts[:i])[0], run.sampling
+        if s.temperature == 0:  # 贪心：草稿必须正是主模型的 argmax
             if d != (target := int(row.argmax())):
                 return i, drafts[:i] + [target]
             continue
-        p, q = probabilities(row, pick.s.temperature, pick.s.top_k, pick.s.top_p), qs[i]
-        if torch.rand((), generator=pick.gen) >= min(1.0, float(p[d] / q[d])):  # 以 min(1, p/q) 接受
+        p, q = probabilities(row, s.temperature, s.top_k, s.top_p), qs[i]
+        if torch.rand((), generator=run.generator) >= min(1.0, float(p[d] / q[d])):  # 以 min(1, p/q) 接受
             residual = (p - q).clamp(min=0)  # 拒绝：从 max(0, p − q) 里重抽
-            return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=pick.gen))]
-    bonus, _ = pick.choose(logits[-1:], drafts)  # 全部接受：主模型再送一个
+            return i, drafts[:i] + [int(torch.multinomial(residual / residual.sum(), 1, generator=run.generator))]
+    bonus, _ = run.choose(logits[-1:], drafts)  # 全部接受：主模型再送一个
     return len(drafts), drafts + [bonus]
 
 
@@ -150,78 +185,43 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
     return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
 
 
-def spec_round(model, mtp, run: Run, last: int, k: int, budget: int):
+def spec_round(model, mtp, run: Run, k: int, budget: int):
     """一轮：起草 k 个 → 一次前向验证 [last, d₁…] → 接受一致的前缀 → 提交（或回滚）→ (通过数, 本轮的 token, 前向次数)。"""
     # 1. 起草（k = 0 时这一轮就是普通解码）
-    drafts, qs = mtp.draft(model, run.drafter, k, run) if k > 0 else ([], [])
+    drafts, qs = mtp.draft(model, run, k) if k > 0 else ([], [])
     # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
     state, start = run.state, run.state.pos
-    feed = torch.tensor([[last] + drafts], device=run.drafter.tokens.device)  # [1, k+1]
+    feed = torch.tensor([[run.tokens[-1]] + drafts], device=run.drafter.tokens.device)  # [1, k+1]
     snap = snapshot(state) if run.recompute else None
     if not run.recompute and k > 0:
         keep_history(state)
-    logits, h = forward_hidden(model, feed, state)  # [1, k+1, V]、[1, k+1, h]
+    h = model.hidden(feed, state)  # [1, k+1, h]：最后一次 norm 之后的，草稿头要它
+    logits = model.lm_head(h).float()  # [1, k+1, V]：验证要它
     # 3. 接受最长的一致前缀，再加一个主模型的 token；停止符（含）之后的、超出预算（budget 个）的不要
     n, new = verify(drafts, qs, logits[0], run)
     m = min(next((i + 1 for i, t in enumerate(new) if t in run.stop), len(new)), budget)
-    emitted = new[:m]  # 喂进去的 [last, d₁, …] 里保留前 m 个
+    n_top = run.sampling.logprobs  # 要对数概率时：第 i 个 token 是第 i 行选的（第 12 章的 Token）
+    emitted = [t if n_top is None else Token(t, logits[0, i], n_top) for i, t in enumerate(new[:m])]  # 保留前 m 个
     # 4. 提交：只留下前 m 个位置之后的状态
     if run.recompute and m < k + 1:  # 有被丢弃的 token：恢复存档，再把保留的重新喂一遍
         rollback(state, snap)
         h = model.hidden(feed[:, :m], state)
     elif not run.recompute and k > 0:
         commit(state, start, m)  # 取出第 m 个位置之后的 S 和卷积窗口，KV 缓存截到 start + m
-    # 这一轮留下的 m 对 (h_t, e_{t+1})：草稿头下次起草时一并吃掉
-    run.drafter.add(h[:, :m], emitted)
+    run.drafter.add(h[:, :m], emitted)  # 这一轮留下的 m 对 (h_t, e_{t+1})：草稿头下次起草时一并读掉
     return n, emitted, 1 + int(run.recompute and m < k + 1)  # 重算过的一轮是两次前向
 
 
-@torch.inference_mode()
-def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, draft_tokens=None,
-               recompute=False, result=None, resume=None, cost_now=None, images=None, **settings):
-    """逐轮产出新 token（接受的草稿与主模型补的一个），细节记进 result。draft_tokens=None：按接受率挑；recompute：存档 + 重算；
-    resume：接着读到某处的状态（tokens、state、drafter：如附录的 Resume）；cost_now：每轮问一次起草代价的函数（默认 mtp.draft_cost）。"""
-    t0, s = time.perf_counter(), Sampling.of(sampling, **settings)
-    Sampling.check("max_new_tokens", max_new_tokens)
-    if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
-        raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
-    if (ids := model.check_ids(ids, resume and resume.state)).shape[0] != 1:
-        raise ValueError("投机解码一次处理一个提示词")
-    r = result if result is not None else SpecResult()
-    r.accepted_at, r.tried_at = [0] * (draft_tokens or MAX_DRAFTS), [0] * (draft_tokens or MAX_DRAFTS)
-    if max_new_tokens == 0:
-        return
-    r.state, history = (resume.state, resume.tokens) if resume else (State(model), [])
-    seen = torch.cat([torch.as_tensor(history, dtype=torch.long), ids[0].cpu()])
-    run = Run(s, s.generator(ids.device), Penalty([seen], model.cfg.vocab_size, s), stop_ids(stop), recompute, r.state)
-    h = model.hidden(ids, r.state, images)  # 预填充（images：ids 里的图）；草稿头要最后一次 norm 之后的隐藏状态 [1, T, h]
-    last, _ = run.choose(model.lm_head(h[:, -1]).float())
-    r.tokens, r.forwards, r.prefill_seconds = [last], 1, time.perf_counter() - t0
-    yield [last]
-    run.penalty.add([last])
-    fresh = resume is None or resume.drafter is None
-    run.drafter = Drafter(AttentionState(), h[:, :0], ids[:, :0], 0) if fresh else resume.drafter
-    run.drafter.shift = r.state.shift
-    run.drafter.add(h, ids[0, int(fresh) :].tolist() + [last])  # 草稿头还没见过的对：每个位置配上下一个 token
-    idle = 0  # 连续几轮没有起草
-    while last not in run.stop and len(r.tokens) < max_new_tokens:
-        k = draft_tokens or best_draft_count(r.accepted_at[0], r.tried_at[0], cost_now() if cost_now else mtp.draft_cost)
-        k = max(k, int(idle >= PROBE_EVERY))  # 太久没起草：试一个，让接受率的估计跟上文本的变化
-        k = min(k, max_new_tokens - len(r.tokens) - 1)  # 别起草超出预算的 token
-        idle = idle + 1 if k == 0 else 0
-        n, emitted, forwards = spec_round(model, mtp, run, last, k, max_new_tokens - len(r.tokens))
-        r.record(k, n, emitted, forwards)
-        run.penalty.add(emitted)
-        last = emitted[-1]
-        yield emitted
+def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling=None, draft_tokens=None, cost_now=None, **more):
+    """逐轮产出新 token：Run.start 再 run.stream（要统计时自己这样写，或用 speculate）。more：Run.start 的其余参数。"""
+    yield from Run.start(model, ids, sampling, stop, **more).stream(model, mtp, max_new_tokens, draft_tokens, cost_now)
 
 
-def speculate(model, mtp, ids, max_new_tokens=100, stop=(), sampling=None, draft_tokens=None, **more) -> SpecResult:
-    """投机解码到底，返回 SpecResult（参数同 stream_mtp）。"""
-    r = SpecResult()
-    for _ in stream_mtp(model, mtp, ids, max_new_tokens, stop, sampling, draft_tokens, result=r, **more):
-        pass
-    return r
+def speculate(model, mtp, ids, max_new_tokens=100, stop=(), sampling=None, draft_tokens=None, cost_now=None, **more) -> Run:
+    """投机解码到底，返回这次的 Run（tokens 与各项统计；参数同 stream_mtp）。"""
+    run = Run.start(model, ids, sampling, stop, **more)
+    list(run.stream(model, mtp, max_new_tokens, draft_tokens, cost_now))  # 读到底
+    return run
 
 
 def generate_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling=None, draft_tokens=None, **more):

@@ -7,32 +7,38 @@
 Qwen3.5 只旋转每个头的前 rotary_dim = head_dim × 0.25 = 64 维，其余 192 维原样保留；
 theta 很大（1e7），适合超长上下文。布局是 NeoX 式：前一半与后一半配对（rotate_half）。
 
-M-RoPE（多模态 RoPE，Qwen2-VL）：位置有三个分量 (t, h, w)，32 个频率轮流分给它们（mrope_section [11, 11, 10]，
-交错：第 i 个频率给 i % 3 那一轴）。图像 token 的 h、w 是它在图里的行、列（第 15 章）；文字的三个分量相同，
-每个频率的角度都与普通 RoPE 逐位相同：纯文本时 M-RoPE 就是上面的普通 RoPE。
+M-RoPE（Qwen2-VL）：位置可以有三个分量 (t, h, w)，32 个频率轮流分给它们（mrope_section [11, 11, 10]，交错：
+第 i 个频率给 i % 3 那一轴）。三个分量相同时每个频率的角度都与普通 RoPE 逐位相同：只有一维的位置时 M-RoPE 就是
+上面的普通 RoPE；三个分量不同的位置由第 15 章给出。
 """
 
 import torch
 
 
+def inverse_frequencies(d: int, theta: float, device=None) -> torch.Tensor:
+    """θ_i = theta^(−2i/d)，i = 0 … d/2 − 1 → [d/2]。RoPE 的频率只在这里算（第 15 章的二维 RoPE 也用它）。"""
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+
+
+def tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """角度 [..., d/2] → cos, sin [..., d]：前后两半用同一组角度（rotate_half 把第 i 维与第 i + d/2 维配成一对）。"""
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
 def rope_tables(cfg, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] 或 [B, T] → cos, sin，形状 [..., T, rotary_dim]，float32。"""
-    d = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
-    angles = positions.float()[..., None] * inv_freq  # [..., T, d/2]：p·θ_i
-    angles = torch.cat([angles, angles], dim=-1)  # [..., T, d]：前后两半用同一组角度
-    return angles.cos(), angles.sin()
+    inv_freq = inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, positions.device)
+    return tables(positions.float()[..., None] * inv_freq)  # 角度 p·θ_i：[..., T, d/2]
 
 
 def mrope_tables(cfg, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """三维位置 [3, T] 或 [3, B, T]（t, h, w）→ cos, sin [..., T, rotary_dim]：第 i 个频率用第 axis[i] 轴的位置。"""
+    """三个分量的位置 [3, T] 或 [3, B, T]（t, h, w）→ cos, sin [..., T, rotary_dim]：第 i 个频率用第 axis[i] 轴的位置。"""
     d, (_, h, w) = cfg.rotary_dim, cfg.mrope_section
     axis = torch.zeros(d // 2, dtype=torch.long)  # 0 = t：交错分配，h 取 1, 4, 7, …，w 取 2, 5, 8, …
     axis[1 : 3 * h : 3], axis[2 : 3 * w : 3] = 1, 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
-    angles = positions[axis.to(positions.device)].movedim(0, -1).float() * inv_freq  # [..., T, d/2]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    inv_freq = inverse_frequencies(d, cfg.rope_theta, positions.device)
+    return tables(positions[axis.to(positions.device)].movedim(0, -1).float() * inv_freq)  # [..., T, d/2]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,12 @@ Qwen3.5 的每个检查点都是多模态的，0.8B 也一样：`model.visual.*`
    切成 16×16 的小块；静止的图当作两帧相同的视频（temporal_patch_size = 2），每块 3·2·16·16 = 1536 个数。
 2. 嵌入：每块一个线性映射（patch_embed，就是步长等于核宽的 Conv3d）加上学到的位置表：48×48 的表双线性插值到这张图的网格。
 3. 12 个 ViT 块：LayerNorm → 注意力 → LayerNorm → MLP（gelu tanh）。注意力不带因果掩码，只在同一张图之内，
-   位置用二维 RoPE：每个头 64 维里一半按行号、一半按列号旋转（第 5 章的 rotate_half）。
+   位置用二维 RoPE：每个头 64 维里一半按行号、一半按列号旋转（第 5 章的 apply_rope）。
 4. 合并（merger）：相邻 2×2 块拼成一个 3072 维向量 → Linear → GELU → Linear → 1024 维，一个 token 管 32×32 个像素。
 
-语言模型这边（第 5、10 章）：图像 token 的位置是三维的 (t, h, w)：t、h、w 从图前的位置起，按它在合并网格里的行、列数；
-图之后的文字从 max(位置) + 1 接着数（State.shift 记下位置比读过的 token 数少了多少）。
+语言模型这边（第 5、10 章）：第 10 章的模型只收向量与位置；这一章给出它们（image_inputs）：图像 token 的向量换成塔的
+输出，位置是三维的 (t, h, w)：从图前的位置起，按它在合并网格里的行、列数；图之后的文字从 max(位置) + 1 接着数。
+消息里的图：pictures(messages)，与第 13 章的 build_prompt 写出占位的顺序相同。
 
 出处：Wang 等，“Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at Any Resolution”（2024：动态分辨率、
 M-RoPE）；Dosovitskiy 等，“An Image is Worth 16x16 Words”（ViT，2021）；transformers 的 qwen3_5 与 qwen2_vl 图像处理器。
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import load_pretrained
-from .rope import rotate_half
+from .rope import apply_rope, inverse_frequencies, tables
 from .weights import find_model
 
 class TooManyImageTokens(ValueError):
@@ -78,8 +79,16 @@ class VisionConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def pictures(messages) -> list:
+    """消息里的图（那一段本身：{"type": "image", "image": …} 或 OpenAI 的 {"type": "image_url", …}），按出现的顺序：
+    第 13 章的 build_prompt 为每张写一个占位，视觉塔按同样的顺序看它们。系统消息不能带图（build_prompt 会说）。"""
+    kinds = ("image", "image_url")
+    return [c for m in messages if isinstance(m, dict) and m.get("role") != "system" and isinstance(m.get("content"), list)
+            for c in m["content"] if isinstance(c, dict) and any(k in c or c.get("type") == k for k in kinds)]
+
+
 def source_of(part):
-    """消息里的一个图像分段（第 13 章的 build_prompt 收下的）→ 图的来源：{"image": 路径、bytes 或 PIL 图像}，或 OpenAI 的
+    """消息里的一个图像分段（pictures 取出的）→ 图的来源：{"image": 路径、bytes 或 PIL 图像}，或 OpenAI 的
     {"image_url": {"url": …}}：data: URL 解出 bytes；http(s) 不替你下载（本地的服务不替客户端上网）。"""
     src = part.get("image", part.get("image_url"))
     src = src.get("url") if isinstance(src, dict) else src
@@ -166,8 +175,7 @@ class VisionBlock(nn.Module):
     def forward(self, x, cos, sin, lengths):
         N, C = x.shape  # [块数, hidden]
         q, k, v = self.attn.qkv(self.norm1(x)).view(N, 3, self.heads, -1).permute(1, 2, 0, 3)  # 各 [heads, N, 64]
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)  # 二维 RoPE：cos、sin [N, 64]
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # 二维 RoPE（第 5 章）：cos、sin [N, 64]，转满 64 维
         out = torch.cat([F.scaled_dot_product_attention(*(p[None] for p in parts))[0] for parts in  # 每张图各自做注意力；
                          zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # 四维的输入走 flash 内核
         x = x + self.attn.proj(out.transpose(0, 1).reshape(N, C))
@@ -200,7 +208,7 @@ class VisionTower(nn.Module):
         side = int(c.num_position_embeddings**0.5)
         table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)  # [1, hidden, 48, 48]
         d = c.hidden_size // c.num_heads // 2  # 一半维度给行号，一半给列号
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        inv_freq = inverse_frequencies(d, c.rope_theta)
         pos, angles = [], []
         for t, h, w in grids:
             p = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]  # [hidden, h, w]
@@ -209,8 +217,7 @@ class VisionTower(nn.Module):
             hw = order(torch.stack([rows, cols]).float())  # [h·w, 2]：每块的 (行, 列)
             pos.append(order(p).repeat(t, 1))
             angles.append(torch.cat([hw[:, :1] * inv_freq, hw[:, 1:] * inv_freq], -1).repeat(t, 1))
-        angles = torch.cat(angles).repeat(1, 2)  # [N, head_dim]：前后两半同一组角度（rotate_half 的配对）
-        return torch.cat(pos), angles.cos(), angles.sin()
+        return torch.cat(pos), *tables(torch.cat(angles))  # cos、sin [N, head_dim]：前后两半同一组角度
 
     def forward(self, pixels: torch.Tensor, grids) -> torch.Tensor:
         w = self.patch_embed.proj.weight
@@ -297,3 +304,33 @@ class Images:
             cur, done, k = cur + max(h, w) // m, a + n, k + n  # 图之后的文字从 max(位置) + 1 接着数
         positions.append(torch.arange(cur, cur + len(ids) - done).expand(3, -1))
         return x, torch.cat(positions, 1).to(x.device)  # [T, h]、[3, T]
+
+    def inputs(self, model, ids, state=None) -> dict:
+        """一个提示词 ids [1, T] 里的这几张图 → 第 10 章 model.hidden 的 embeds 与 positions（见 image_inputs）。"""
+        return image_inputs(model, ids, state, [self])
+
+
+@dataclass
+class ImageRows:
+    """批处理（第 13 章附的 generate_batch）每行的图：rows[b] 是第 b 行的 Images 或 None。"""
+    rows: list
+
+    def inputs(self, model, ids, state=None) -> dict:
+        return image_inputs(model, ids, state, self.rows)
+
+
+def image_inputs(model, ids, state, rows) -> dict:
+    """ids [B, T]（占位已展开）与每行的图 → 第 10 章 model.hidden 的输入：embeds [B, T, hidden]（图像 token 的向量换成塔的
+    输出）与三维位置 [3, B, T]（接着 state 数：左填充的位置不动，每行从它第一个真实 token 数起；文字的三个分量相同）。"""
+    ids = model.check_ids(ids, state)
+    B, T = ids.shape
+    if len(rows) != B:
+        raise ValueError(f"images 应是每行一个（Images 或 None），收到 {len(rows)} 个，提示词有 {B} 行")
+    base, x = model.positions(T, state, ids.device).expand(B, T), model.embed_tokens(ids)  # [B, T]、[B, T, hidden]
+    lead = [0] * B if state is None or state.valid is None else (state.pad - state.pos).clamp(min=0).tolist()
+    xs, ps = list(x), [p.expand(3, -1) for p in base]  # 每行：左填充不动，真实 token 里放进图
+    for b, (im, a) in enumerate(zip(rows, lead)):
+        if im is not None:
+            xb, pb = im.place(x[b, a:], ids[b, a:], int(base[b, a]))
+            xs[b], ps[b] = torch.cat([x[b, :a], xb]), torch.cat([ps[b][:, :a], pb], 1)
+    return {"embeds": torch.stack(xs), "positions": torch.stack(ps, 1)}

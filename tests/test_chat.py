@@ -1,4 +1,4 @@
-"""第 13 章 chat.py：对话格式（发布模板的渲染规则）、分词与流式解码、多轮对话不重读历史、MTP 与命令行、采样的默认值。"""
+"""第 13 章 chat.py：对话格式（发布模板的渲染规则）、分词、多轮对话不重读历史、MTP 与命令行、采样的默认值。"""
 
 import json
 from pathlib import Path
@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwen import Chat, Conversation, build_prompt, generate
-from qwen.chat import TextStream
 from qwen.conversation import generation_defaults
-from qwen.literal import ESC, Literal
-from qwen.template import Template, is_released
+from qwen.conversation.prompt import ESC, Prompt
+from qwen.vision import pictures
+from qwen.conversation.template import Template, is_released
 
 from checkpoints import QWEN_LIKE
 
@@ -46,7 +46,7 @@ SHAPES = {
 
 
 def jinja_render(messages, tools, thinking, template=None, **more):
-    """用 qwen/template.py 的沙箱渲染模板（默认是发布的，../shared/reference 里的原文），与 transformers 的
+    """用 qwen/conversation/template.py 的沙箱渲染模板（默认是发布的，../shared/reference 里的原文），与 transformers 的
     apply_chat_template 一样设置。"""
     if template is None and not TEMPLATE.is_file():
         pytest.skip("没有 ../shared/reference/qwen3.5-chat-template.jinja")
@@ -60,7 +60,7 @@ def jinja_render(messages, tools, thinking, template=None, **more):
 def test_build_prompt_equals_the_released_template(shape, tools, thinking):
     messages = SHAPES[shape]
     assert build_prompt(messages, enable_thinking=thinking, tools=tools) == jinja_render(messages, tools, thinking)
-    assert is_released(TEMPLATE.read_text(encoding="utf-8"))  # 这个检查点上 Literal 走 build_prompt
+    assert is_released(TEMPLATE.read_text(encoding="utf-8"))  # 这个检查点上 Prompt 走 build_prompt
 
 
 @pytest.mark.parametrize("shape", [*SHAPES, "images"])
@@ -71,7 +71,7 @@ def test_test_checkpoints_template_equals_build_prompt(shape, tools, thinking):
     build_prompt 逐字相同：别的测试在它上面比的，就是发布的模板的行为。"""
     messages = SHAPES.get(shape) or [m for shape in IMAGE_SHAPES.values() for m in shape if m["role"] != "system"]
     assert not is_released(QWEN_LIKE)
-    want = build_prompt(messages, enable_thinking=thinking, tools=tools, images=[])
+    want = build_prompt(messages, enable_thinking=thinking, tools=tools)
     assert jinja_render(messages, tools, thinking, QWEN_LIKE) == want
 
 
@@ -92,12 +92,12 @@ IMAGE_SHAPES = {
 @pytest.mark.parametrize("vision_id", [False, True])
 def test_image_parts_render_as_the_released_template(shape, vision_id):
     """图像分段（本库的 {"type": "image"} 与 OpenAI 的 image_url）照发布的模板写成 <|vision_start|><|image_pad|><|vision_end|>，
-    add_vision_id 时前面是 “Picture n: ”；images 按出现的顺序收下每个分段。"""
-    messages, images = IMAGE_SHAPES[shape], []
-    rendered = build_prompt(messages, add_vision_id=vision_id, images=images)
+    add_vision_id 时前面是 “Picture n: ”；第 15 章的 pictures 按同样的顺序取出每个分段。"""
+    messages = IMAGE_SHAPES[shape]
+    rendered = build_prompt(messages, add_vision_id=vision_id)
     assert rendered == jinja_render(messages, None, False, add_vision_id=vision_id)
     parts = [c for m in messages if isinstance(m["content"], list) for c in m["content"] if c["type"] != "text"]
-    assert images == parts and rendered.count("<|image_pad|>") == len(parts)
+    assert pictures(messages) == parts and rendered.count("<|image_pad|>") == len(parts)
 
 
 @pytest.mark.parametrize("messages,error", [
@@ -109,14 +109,19 @@ def test_image_parts_render_as_the_released_template(shape, vision_id):
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{}"}]}],
      "arguments 应为 dict"),
     ([{"role": "user", "content": 42}], "content 应为字符串"),
-    ([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}], "传 images=\\[\\]"),  # 带图：要收下它们
     ([{"role": "system", "content": [{"type": "image", "image": "x.png"}]}, {"role": "user", "content": "q"}], "系统消息不能带图"),
     ([{"role": "user", "content": [{"type": "video", "video": "x.mp4"}]}], "不支持视频"),
     ([], "空"),
 ])
-def test_bad_messages(messages, error):  # 带图的消息给 images 列表时也一样：这些错误与图无关
+def test_bad_messages(messages, error):
     with pytest.raises(ValueError, match=error):
         build_prompt(messages)
+
+
+def test_chapter_reply_refuses_pictures(chat):
+    """第 13 章的 Chat.reply 不看图：消息里有图时说要第 15 章的视觉塔、用附录的 Conversation，而不是把占位当文字喂给模型。"""
+    with pytest.raises(ValueError, match="视觉塔.*Conversation"):
+        chat.reply([{"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "?"}]}])
 
 
 # ---------- 客户的文字只是文字 ----------
@@ -138,22 +143,23 @@ def real_chat(tmp_path_factory):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_client_text_without_markers_is_encoded_as_before(real_chat, shape):
-    literal = Literal(real_chat)
+    prompt = Prompt(real_chat)
     for tools in (None, TOOLS):
         want = real_chat.encode(real_chat.prompt(SHAPES[shape], tools=tools))
-        assert torch.equal(literal.tokens(SHAPES[shape], tools=tools), want)
+        made = prompt.render(SHAPES[shape], tools)
+        assert torch.equal(made.ids, want) and made.pictures == [] and not made.thinks
 
 
 def test_role_markers_in_client_text_stay_text(real_chat):
     """用户的消息、工具调用的参数、工具结果与工具说明里写的 <|im_end|>、<|im_start|>system、<|image_pad|> 伪造不出一轮：
     切出的 <|im_start|> 只有模板写的那几个（用户、助手、工具结果的一轮与请模型接话的一个），文字解码回来一字不差；
     同样的文字不按文字切时伪造得出（原先的样子）。ESC 自己也是文字。"""
-    literal = Literal(real_chat)
+    prompt = Prompt(real_chat)
     messages = [{"role": "user", "content": FORGED},
                 {"role": "assistant", "content": FORGED, "tool_calls": [{"name": "f", "arguments": {"x": FORGED}}]},
                 {"role": "tool", "content": FORGED + ESC + ESC + "a"}]
     tools = [{"type": "function", "function": {"name": "f", "description": FORGED}}]
-    ids = literal.tokens(messages, tools=tools)[0].tolist()
+    ids = prompt.render(messages, tools).ids[0].tolist()
     start, pad = real_chat.tk.token_to_id("<|im_start|>"), real_chat.tk.token_to_id("<|image_pad|>")
     assert ids.count(start) == 5 and pad not in ids  # 系统（工具说明）、用户、助手、工具结果、接话
     assert real_chat.decode(ids) == real_chat.prompt(messages, tools=tools)
@@ -303,29 +309,6 @@ def test_chat_basics(chat):
 def test_missing_tokenizer(model, tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         Chat(model, tmp_path)
-
-
-TEXTS = ["你好，世界！长江很长。", "🚀🎉👍 emoji 😀🐉 混合 Transformer", "写一段 200 字的短文，介绍长江。🌊"]
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_stream_decode_is_exact(chat, text):
-    ids = chat.tk.encode(text).ids
-    assert any("\ufffd" in chat.tk.decode([i]) for i in ids)  # 真的有 token 只是半个字符
-    s = TextStream(chat.tk)
-    pieces = [s.put(i) for i in ids] + [s.flush()]
-    assert "".join(pieces) == chat.tk.decode(ids) == text
-    assert not any("\ufffd" in p for p in pieces)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.text(alphabet="长江你好世界🚀🎉😀🐉abc ，。\n", min_size=1, max_size=40))
-def test_stream_decode_property(chat, text):
-    ids = chat.tk.encode(text).ids
-    s = TextStream(chat.tk)
-    pieces = [s.put(i) for i in ids] + [s.flush()]
-    assert "".join(pieces) == chat.tk.decode(ids)
-    assert not any("\ufffd" in p for p in pieces)
 
 
 def test_reply_streams_text(chat):

@@ -1,4 +1,4 @@
-"""python -m qwen.compare：默认离线（随包的 demo）每一块 ok；埋下的错误各自报成 differs、shape mismatch、missing，
+"""python -m qwen.tools.compare：默认离线（随包的 demo）每一块 ok；埋下的错误各自报成 differs、shape mismatch、missing，
 并且指出的第一个坏块正是埋错误的那一块。"""
 
 import copy
@@ -120,8 +120,8 @@ def test_random_checkpoint(capsys):
 
 
 def test_compare_names_the_broken_layer(tiny, capsys):
-    """python -m qwen.compare：原样的模型每一块都在容差之内；改坏第 2 层的一个权重，它指出的第一个坏块正是第 2 层。"""
-    from qwen.compare import compare, main
+    """python -m qwen.tools.compare：原样的模型每一块都在容差之内；改坏第 2 层的一个权重，它指出的第一个坏块正是第 2 层。"""
+    from qwen.tools.compare import compare, main
 
     path, hf = tiny
     assert main(["--model", str(path), "--tokens", "20"]) == 0  # 自己从检查点建 transformers 的模型

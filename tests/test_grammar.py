@@ -1,4 +1,4 @@
-"""附录 qwen/grammar.py：按 JSON Schema 只许合乎它的 token。写出的一定解析得了、合乎 schema；投机解码在文法下与普通贪心
+"""附录 qwen/sampling/grammar.py：按 JSON Schema 只许合乎它的 token。写出的一定解析得了、合乎 schema；投机解码在文法下与普通贪心
 逐个相同（bfloat16、int8、int4 的快路径）；坏的 schema 是一行清楚的错误。"""
 
 import json
@@ -14,7 +14,7 @@ from checkpoints import prompt
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
-from qwen.grammar import Grammars  # noqa: E402
+from qwen.sampling.grammar import Grammars  # noqa: E402
 
 SCHEMAS = {  # 三种形状：嵌套的对象、枚举、有界的数组
     "nested": {"type": "object", "additionalProperties": False, "required": ["user"], "properties": {

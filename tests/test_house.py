@@ -19,10 +19,11 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from qwen import chapters
+
 ROOT = Path(__file__).resolve().parents[1]
 
-CHAPTERS = ("weights", "embedding", "norm", "mlp", "moe", "rope", "attention", "deltanet", "chunk", "layer", "model", "cache",
-            "sample", "chat", "batch", "mtp", "vision")  # 课程的各章，按顺序：qwen.<名字>；包里别的模块都是附录
+CHAPTERS = tuple(chapters())  # 课程的各章，按顺序（从各章文档的开头排出）：qwen.<名字>；包里别的模块都是附录
 
 
 def package_modules(root: Path, package: str) -> dict[str, Path]:
@@ -181,8 +182,24 @@ def test_the_readme_picture_is_drawn_from_the_code():
     assert drawn.count('fill="#f28e2b"') == 6 + 2 and "18 层 Gated DeltaNet 与 6 层门控注意力" in drawn  # 6 层，另有图例与“提交”
 
 
+def test_the_folder_says_what_is_a_chapter():
+    """qwen/ 顶层的每个 .py（__init__、__main__ 之外）都是一章或一章的附，文件开头写着“第 N 章”：附录都在子包里。
+    README 的章节表按同样的顺序列出同样的文件；第 1–11 章不提图（图是第 15 章的事，第 10 章只收向量与位置）。"""
+    top = sorted(f.stem for f in (ROOT / "qwen").glob("*.py") if f.stem not in ("__init__", "__main__"))
+    assert sorted(CHAPTERS) == top, set(top) - set(CHAPTERS)
+    table = (ROOT / "README.md").read_text(encoding="utf-8").split("| 章 | 文件 | 内容 |")[1].split("\n\n")[0]
+    listed = [n for n in re.findall(r"`(\w+)\.py`", table) if (ROOT / "qwen" / f"{n}.py").is_file()]  # ch14_mtp.py 不在包里
+    assert listed == list(CHAPTERS), "README 的章节表应照 qwen.chapters() 的顺序"
+    number = {c: int(re.match(r'"""第 (\d+) 章', (ROOT / "qwen" / f"{c}.py").read_text())[1]) for c in CHAPTERS}
+    for name in [c for c in CHAPTERS if number[c] <= 11]:
+        text = (ROOT / "qwen" / f"{name}.py").read_text(encoding="utf-8")
+        assert not re.search(r"image|picture|图像|图片|看图", text, re.I), f"第 {number[name]} 章 {name}.py 提到了图"
+    with_images = (ROOT / "qwen" / "model.py").read_text()
+    assert "hidden_with_images" not in with_images and "place(" not in with_images
+
+
 def test_reading_the_chapters_loads_no_appendix():
-    """import qwen 与各章（新的解释器里按顺序导入全部 16 章）不读进任何附录：qwen/__init__.py 只在第一次用到
+    """import qwen 与各章（新的解释器里按顺序导入全部各章）不读进任何附录：qwen/__init__.py 只在第一次用到
     Conversation、qwen.fast 时才导入它们。"""
     import subprocess
     import sys

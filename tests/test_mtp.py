@@ -210,9 +210,9 @@ def test_no_recomputation(model, mtp, monkeypatch):
     calls = []
     original = Model.hidden
 
-    def counted(self, ids, state=None, images=None):
+    def counted(self, ids, state=None, *inputs):
         calls.append(ids.shape[-1])
-        return original(self, ids, state, images)
+        return original(self, ids, state, *inputs)
 
     monkeypatch.setattr(Model, "hidden", counted)
     ids = ids_of(10, seed=9)
@@ -226,15 +226,15 @@ def test_no_recomputation(model, mtp, monkeypatch):
 
 
 def test_prefill_seconds_counts_only_the_prefill(model, mtp, monkeypatch):
-    """SpecResult.prefill_seconds 只含预填充：预填充慢 0.3 秒、第一次验证慢 0.6 秒时，它只多出前一个。只有下界：机器忙时
+    """Run.prefill_seconds 只含预填充：预填充慢 0.3 秒、第一次验证慢 0.6 秒时，它只多出前一个。只有下界：机器忙时
     什么都可能慢，但 0.6 秒的那一次一定在 prefill_seconds 之外。"""
     original, slept = Model.hidden, []
 
-    def slow(self, ids, state=None, images=None):
+    def slow(self, ids, state=None, *inputs):
         if ids.shape[-1] == 10 or (ids.shape[-1] == 3 and 3 not in slept):  # 预填充（10 个 token）与第一次验证（k = 2）
             slept.append(ids.shape[-1])
             time.sleep(0.3 if ids.shape[-1] == 10 else 0.6)
-        return original(self, ids, state, images)
+        return original(self, ids, state, *inputs)
 
     monkeypatch.setattr(Model, "hidden", slow)
     t0 = time.perf_counter()
@@ -428,10 +428,11 @@ def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):
     calls = []
 
     class Recording(OracleDrafter):
-        def draft(self, model, pending, k, pick):
+        def draft(self, model, run, k):
+            pending = run.drafter
             assert pending.tokens.shape[1] == pending.hidden.shape[1]
             calls.append((pending.start, pending.tokens.shape[1]))
-            return super().draft(model, pending, k, pick)
+            return super().draft(model, run, k)
 
     ids = ids_of(12, seed=5)
     n = 60
@@ -447,17 +448,22 @@ def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):
         assert s1 == s0 + n0  # 每个位置的对恰好送进草稿头一次
 
 
-def test_course_names_import(model):
-    """课程正文里的写法：from qwen.mtp import forward_hidden, snapshot, rollback, MTP, generate_mtp。
-    forward_hidden(model, ids, state) 返回 (logits, 最后一次 norm 之后的隐藏状态)，与 model(...)、model.hidden(...) 相同。"""
-    from qwen.mtp import MTP, forward_hidden, generate_mtp, rollback, snapshot  # noqa: F401
+def test_course_names_import(model, mtp):
+    """课程正文里的写法：from qwen.mtp import Run, prefill, snapshot, rollback, MTP, generate_mtp。Run.start 预填充、选出第一个
+    token、让草稿头这一边记下提示词（每个 h 配上下一个 token）；run.stream 逐轮产出，统计就在 run 上。"""
+    from qwen.mtp import MTP, Run, generate_mtp, prefill, rollback, snapshot  # noqa: F401
 
     ids = ids_of(12, seed=8)
+    run = Run.start(model, ids)
+    assert run.state.pos == 12 and run.drafter.tokens.shape[1] == run.drafter.hidden.shape[1] == 12
+    assert run.tokens == generate(model, ids, 1) and run.drafter.tokens[0, -1] == run.tokens[0]
+    rounds = list(run.stream(model, mtp, 20, draft_tokens=2))
+    assert [t for emitted in rounds for t in emitted] == run.tokens == generate(model, ids, 20) and run.rounds == len(rounds) - 1
     state = State(model)
     with torch.inference_mode():
-        logits, hidden = forward_hidden(model, ids, state)
-        assert state.pos == 12 and torch.equal(logits, model(ids)) and torch.equal(hidden, model.hidden(ids))
+        h, drafter = prefill(model, ids, state)
+        assert torch.equal(h, model.hidden(ids)) and drafter.tokens.shape[1] == 11  # 最后一个 h 等下一个 token
         snap = snapshot(state)
-        more = forward_hidden(model, ids[:, :3], state)[0]
+        more = model(ids[:, :3], state)
         rollback(state, snap)
-        assert state.pos == 12 and torch.equal(forward_hidden(model, ids[:, :3], state)[0], more)
+        assert state.pos == 12 and torch.equal(model(ids[:, :3], state), more)

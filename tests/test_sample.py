@@ -6,7 +6,7 @@ import torch
 
 from qwen import State
 from qwen.batch import generate_batch
-from qwen.sample import generate, pick, probabilities
+from qwen.sample import choose, generate, probabilities
 
 
 def ids_of(T, seed=0, vocab=512):
@@ -120,14 +120,14 @@ def test_sampling_distribution_matches(temperature, top_k, top_p):
         logits = m(ids)[:, -1]  # [1, V]
     expected = probabilities(logits, temperature, top_k, top_p)[0]
     N = 4000
-    # 同一个 logits 抽 N 次：正是 generate 第一步调用的 pick；再用 generate 本身核对前 50 次
+    # 同一个 logits 抽 N 次：正是 generate 每一步调用的 choose；再用 generate 本身核对前 50 次
     gen = torch.Generator().manual_seed(0)
-    draws = pick(logits.expand(N, -1), temperature, top_k, top_p, gen)
+    draws = torch.tensor([choose(logits[0], temperature, top_k, top_p, gen)[0] for _ in range(N)])
     counts = torch.bincount(draws, minlength=cfg.vocab_size).float()
     freq = counts / N
     for s in range(50):
         first = generate(m, ids, 1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)[0]
-        assert first == int(pick(logits, temperature, top_k, top_p, torch.Generator().manual_seed(s))[0])
+        assert first == choose(logits[0], temperature, top_k, top_p, torch.Generator().manual_seed(s))[0]
     sd = (expected * (1 - expected) / N).sqrt()
     assert ((freq - expected).abs() <= 5 * sd + 0.002).all()
     assert 0.5 * (freq - expected).abs().sum() < 0.04

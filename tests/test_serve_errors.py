@@ -116,7 +116,7 @@ def test_text_parts_and_several_turns_on_both_checkpoints(either):
     assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message.content == b.choices[0].message.content
     turns = [{"role": "user", "content": "x = 1"}, {"role": "assistant", "content": "\n"}, {"role": "user", "content": "y"}]
     r = client.chat.completions.create(model=NAME, messages=turns, max_tokens=3, temperature=0)
-    ids = server.literal.tokens(turns, None if server.literal.template is not None else False)
+    ids = server.prompt.render(turns).ids
     want = generate(engine.model, ids, 3, server.chat.stop)  # 与库在同样的提示词上的贪心相同
     assert r.usage.prompt_tokens == ids.shape[1] and r.usage.completion_tokens == len(want)
     assert r.choices[0].message.content == server.chat.decode([t for t in want if t not in server.chat.stop])

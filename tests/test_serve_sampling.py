@@ -1,5 +1,5 @@
 """附录 qwen/serve：OpenAI 请求里改变“怎么选 token”的字段——response_format（结构化输出）、n、logprobs / top_logprobs、
-completions 的 logprobs 与 echo、logit_bias。服务给的与库里（generate、Logprobs、Grammar）同样的提示词算出的相同。"""
+completions 的 logprobs 与 echo、logit_bias。服务给的与库里（generate 的 Token、Grammar）同样的提示词算出的相同。"""
 
 import json
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from qwen import generate
-from qwen.literal import Literal
-from qwen.logprobs import Logprobs
+from qwen.conversation import Prompt
 from qwen.serve.reader import Reader
 
 from serving import NAME, openai, post, served, sse  # noqa: F401
@@ -20,8 +19,7 @@ def test_structured_output_round_trip_with_the_openai_client(served):
     pytest.importorskip("llguidance")
     from pydantic import BaseModel, Field
 
-    from qwen.grammar import Grammars
-    from qwen.literal import Literal
+    from qwen.sampling.grammar import Grammars
 
     class City(BaseModel):
         name: str = Field(max_length=6)
@@ -34,7 +32,7 @@ def test_structured_output_round_trip_with_the_openai_client(served):
     assert isinstance(city, City) and done.choices[0].finish_reason == "stop"
     grammar = Grammars(server.chat, engine.model.cfg.vocab_size).json_schema(
         openai.lib._pydantic.to_strict_json_schema(City))  # 客户端发出去的就是 City 的严格形式
-    want = generate(engine.model, Literal(server.chat).tokens(messages), 80, stop=server.chat.stop, grammar=grammar)
+    want = generate(engine.model, Prompt(server.chat).render(messages).ids, 80, stop=server.chat.stop, grammar=grammar)
     assert done.choices[0].message.content == server.chat.decode([t for t in want if t not in server.chat.stop])
     loose = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0,
                                            response_format={"type": "json_object"})
@@ -72,17 +70,16 @@ MESSAGES = [{"role": "user", "content": "介绍一下长江。"}]
 
 
 def library(server, engine, ids, n, **sampling):
-    """库里同样的提示词（token）：generate 的 token 与每个的 Entry（前 3 个），停止符不算（它不在回答的文字里）。"""
-    lp = Logprobs(top=3)
-    tokens = generate(engine.model, torch.tensor([ids]), n, stop=server.chat.stop, logprobs=lp, **sampling)
-    return [(t, e) for t, e in zip(tokens, lp.read(tokens)) if t not in server.chat.stop]
+    """库里同样的提示词（token）：generate 的 Token（带对数概率与前 3 个），停止符不算（它不在回答的文字里）。"""
+    tokens = generate(engine.model, torch.tensor([ids]), n, stop=server.chat.stop, logprobs=3, **sampling)
+    return [(t, t) for t in tokens if t not in server.chat.stop]
 
 
 def test_chat_logprobs_equal_the_library_stream_and_not(served):
-    """chat 的 logprobs：每个 token 的对数概率与前 3 个与库里（Logprobs）同样的提示词算出的逐位相同；bytes 接起来是回答；
+    """chat 的 logprobs：每个 token 的对数概率与前 3 个与库里（generate 的 Token）同样的提示词算出的逐位相同；bytes 接起来是回答；
     流式各块的接起来与非流式的相同。n = 2 加种子：每个回答记自己的，与用 seed、seed + 1 单独生成的相同。"""
     client, engine, server, _ = served
-    ids = Literal(server.chat).tokens(MESSAGES)[0].tolist()
+    ids = Prompt(server.chat).render(MESSAGES).ids[0].tolist()
     kw = dict(model=NAME, messages=MESSAGES, max_tokens=10, logprobs=True, top_logprobs=3)
     full = client.chat.completions.create(temperature=0, **kw)
     got, want = full.choices[0].logprobs.content, library(server, engine, ids, 10)
@@ -98,9 +95,9 @@ def test_chat_logprobs_equal_the_library_stream_and_not(served):
 
 
 def test_completion_logprobs_and_echo_equal_the_library(served):
-    """completions 的 logprobs N 与 echo：提示词的第 0 个没有对数概率，其余与 prompt_logprobs 相同，生成的与 Logprobs 相同；
+    """completions 的 logprobs N 与 echo：提示词的第 0 个没有对数概率，其余与 prompt_logprobs 相同，生成的与 generate 的 Token 相同；
     text 以提示词开头，text_offset 是 tokens 的文字一个个接起来的位置；流式的接起来与非流式的相同。"""
-    from qwen.logprobs import prompt_logprobs
+    from qwen.sampling.logprobs import prompt_logprobs
 
     client, engine, server, _ = served
     text = "def add(a, b):"
@@ -123,7 +120,7 @@ def test_completion_logprobs_and_echo_equal_the_library(served):
 def test_logit_bias_equals_the_library(served):
     """logit_bias：−100 给贪心的第一个 token，回答换了，且与库里同样偏置的 generate 相同。"""
     client, engine, server, _ = served
-    ids = Literal(server.chat).tokens(MESSAGES)[0].tolist()
+    ids = Prompt(server.chat).render(MESSAGES).ids[0].tolist()
     first = library(server, engine, ids, 1)[0][0]
     biased = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0,
                                             logit_bias={str(first): -100, "7": 2.5})
@@ -155,7 +152,7 @@ def test_tool_choice_required_and_named_always_call(served, choice):
             assert choice == "required" or call.function.name == "get_weather"
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     grammar = server.grammars().tool_calls(TOOLS, None if choice == "required" else "get_weather")
-    want = generate(engine.model, Literal(server.chat).tokens(messages, tools=TOOLS), 300, stop=server.chat.stop, grammar=grammar)
+    want = generate(engine.model, Prompt(server.chat).render(messages, TOOLS).ids, 300, stop=server.chat.stop, grammar=grammar)
     reader = Reader(server.chat.tk, False, [], True)  # 库里的 token 读成工具调用：与服务给的（草稿头起草的）相同
     for t in want:
         if t not in server.chat.stop:

@@ -12,7 +12,7 @@ import torch
 from checkpoints import make_vision_checkpoint
 from qwen import Chat, generate
 from qwen.fast import load_draft, load_model
-from qwen.vision import VisionTower
+from qwen.vision import VisionTower, pictures
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -47,10 +47,10 @@ def seen(tmp_path_factory):
 
 
 def library_answer(model, messages, n):
-    """同一个提示词在本库里：build_prompt 收下图，视觉塔看图，占位展开，贪心生成。"""
-    chat, parts = Chat(model), []
-    ids = chat.encode(chat.prompt(messages, images=parts))
-    images = VisionTower.from_pretrained(model.path, dtype=model.dtype).encode(parts)
+    """同一个提示词在本库里：build_prompt 写出占位，视觉塔看消息里的图（pictures），占位展开，贪心生成。"""
+    chat = Chat(model)
+    ids = chat.encode(chat.prompt(messages))
+    images = VisionTower.from_pretrained(model.path, dtype=model.dtype).encode(pictures(messages))
     ids = images.expand(ids)
     return chat.decode(generate(model, ids, n, stop=chat.stop, images=images)), ids.shape[1]
 

@@ -1,4 +1,4 @@
-"""检查点自己的对话模板（qwen/template.py）：与发布的不同时按它渲染，参数（chat_template_kwargs）交给它；库、命令行与服务
+"""检查点自己的对话模板（qwen/conversation/template.py）：与发布的不同时按它渲染，参数（chat_template_kwargs）交给它；库、命令行与服务
 都与 transformers 的 apply_chat_template 切出同样的 token；投机解码与留下的状态照旧；坏的模板在加载时或每个请求里说清楚。
 
 三个模板都从测试检查点的 QWEN_LIKE（照 build_prompt 写的 Qwen3.5 写法）改出来：CHANGED 没有系统消息时加一条默认的、
@@ -14,7 +14,7 @@ import torch
 from checkpoints import QWEN_LIKE
 from qwen import Chat, Conversation, generate
 from qwen.fast import load_draft, load_model
-from qwen.literal import Literal
+from qwen.conversation import Prompt
 from serving import NAME, openai, post, start, stop
 
 SYSTEM_LINE = '{%- set system = (text(messages[0].content) | trim) if messages[0].role == "system" else none -%}'
@@ -69,35 +69,40 @@ def folders(lively, tmp_path_factory):
 
 @pytest.mark.parametrize("name", CASES)
 def test_library_renders_the_checkpoints_template(model, folders, name):
-    """Literal（Conversation、命令行、服务都用它）切出的 token 与 transformers 的相同；参数改变了提示词。
+    """Prompt（Conversation、命令行、服务都用它）切出的 token 与 transformers 的相同；参数改变了提示词。
     模板与发布的不同：说明里这样说，渲染的不是 build_prompt。"""
     text, cases = CASES[name]
     chat = Chat(model, folders[name])
-    literal = Literal(chat)
-    assert literal.template is not None and "检查点自己的" in literal.describe()
+    prompt = Prompt(chat)
+    assert prompt.template is not None and "检查点自己的" in prompt.describe()
     seen = set()
     for messages, kwargs in cases:
-        ids = literal.tokens(messages, None, kwargs=kwargs)[0].tolist()
+        ids = prompt.render(messages, None, kwargs).ids[0].tolist()
         assert ids == reference_ids(folders[name], messages, **kwargs)
         seen.add(tuple(ids))
     assert len(seen) == len(cases)  # 每组参数、消息切出的都不同：参数真的到了模板
-    assert literal.tokens(HI, None)[0].tolist() != chat.encode(chat.prompt(HI))[0].tolist() or name == "preserve"
+    assert prompt.render(HI).ids[0].tolist() != chat.encode(chat.prompt(HI))[0].tolist() or name == "preserve"
 
 
 def test_released_template_takes_no_other_kwargs(model, folders, monkeypatch):
-    """模板是发布的那个时走 build_prompt：除 enable_thinking 外的参数是错，不默默丢掉（这里把 QWEN_LIKE 当作发布的：
+    """模板是发布的那个时走 build_prompt：除 enable_thinking、add_vision_id 外的参数是错，不默默丢掉（这里把 QWEN_LIKE 当作发布的：
     发布的原文 CI 上没有，它与 build_prompt 逐字相同由 test_chat 测）。"""
-    import qwen.template
+    import qwen.conversation.template
 
-    monkeypatch.setattr(qwen.template, "RELEASED", hashlib.sha256(QWEN_LIKE.strip().encode()).hexdigest())
-    literal = Literal(Chat(model))
-    assert literal.template is None and "build_prompt" in literal.describe()
+    monkeypatch.setattr(qwen.conversation.template, "RELEASED", hashlib.sha256(QWEN_LIKE.strip().encode()).hexdigest())
+    prompt = Prompt(Chat(model))
+    assert prompt.template is None and "build_prompt" in prompt.describe()
     with pytest.raises(ValueError, match="发布的 Qwen3.5 模板.*'preserve_thinking'"):
-        literal.options({"preserve_thinking": True})
-    custom = Literal(Chat(model, folders["preserve"]))
-    for bad, why in [({"_x": 1}, "'_x' 不能给"), ({"messages": []}, "'messages' 不能给"), ([1], "应为 dict")]:
+        prompt.check({"preserve_thinking": True})
+    pictures = [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "?"}]}]
+    numbered = prompt.render(pictures, None, {"add_vision_id": True, "enable_thinking": True})  # 发布的模板的两个参数
+    assert "Picture 1: <|vision_start|>" in Chat(model).decode(numbered.ids[0]) and numbered.thinks
+    assert numbered.pictures == [pictures[0]["content"][0]] and not prompt.render(pictures).thinks
+    custom = Prompt(Chat(model, folders["preserve"]))
+    for bad, why in [({"_x": 1}, "'_x' 不能给"), ({"messages": []}, "'messages' 不能给"), ([1], "应为 dict"),
+                     ({"enable_thinking": "yes"}, "应为 true/false")]:
         with pytest.raises(ValueError, match=why):
-            custom.options(bad)
+            custom.check(bad)
 
 
 @pytest.mark.parametrize("name, reused", [("changed", True), ("rewriting", False)])
@@ -109,12 +114,12 @@ def test_saved_turns_with_a_custom_template(model, folders, name, reused):
     assert talking.mtp is not None
     messages, kwargs = [{"role": "user", "content": "你好，介绍一下长江。"}], {"persona": "黄河"}
     for turn in range(2):
-        answer = "".join(talking.reply(messages, max_new_tokens=10, temperature=0, template_kwargs=kwargs))
-        ids = Literal(chat).tokens(messages, False, kwargs=kwargs)
+        answer = "".join(talking.reply(messages, max_new_tokens=10, temperature=0, chat_template_kwargs=kwargs))
+        ids = Prompt(chat).render(messages, None, {"enable_thinking": False} | kwargs).ids
         plain = [t for t in generate(model, ids, 10, chat.stop) if t not in chat.stop]
         assert answer == chat.decode(plain)
         fresh = Conversation(chat, mtp=talking.mtp)
-        assert "".join(fresh.reply(messages, max_new_tokens=10, temperature=0, template_kwargs=kwargs)) == answer
+        assert "".join(fresh.reply(messages, max_new_tokens=10, temperature=0, chat_template_kwargs=kwargs)) == answer
         assert talking.fed == ids.shape[1] if turn == 0 or not reused else talking.fed < ids.shape[1]
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "再写一句。"}]
 

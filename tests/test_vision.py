@@ -10,7 +10,7 @@ import torch
 
 from checkpoints import make_vision_checkpoint
 from qwen import Model, State, generate, generate_batch, generate_mtp
-from qwen.vision import VisionConfig, VisionTower, open_image, prepare
+from qwen.vision import ImageRows, VisionConfig, VisionTower, open_image, prepare
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -75,12 +75,13 @@ def test_logits_match_transformers(vision, tower, layout):
                   mm_token_type_ids=(ids == cfg.image_token_id).int()).logits
     assert (images.embeds - feats).abs().max() <= 1e-5 * feats.abs().max()
     if layout != "an image in a later turn":
-        got = model(ids, images=images)
+        got = model(ids, **images.inputs(model, ids))  # 第 15 章给出向量与三维位置，第 10 章的模型只收这两样
     else:  # 第一轮读到第一张图之后几个 token，第二轮带着第二张图接着读
         cut = int((ids[0] == 13).nonzero()[0])  # 第一张图之后的 11、12 读进第一轮
         first, second = tower.encode(imgs[:1]), tower.encode(imgs[1:])
         state = State(model)
-        got = torch.cat([model(ids[:, :cut], state, images=first), model(ids[:, cut:], state, images=second)], 1)
+        a, b = ids[:, :cut], ids[:, cut:]
+        got = torch.cat([model(a, state, **first.inputs(model, a, state)), model(b, state, **second.inputs(model, b, state))], 1)
         _, delta = hf.model.get_rope_index(ids, (ids == cfg.image_token_id).int(), ref["image_grid_thw"])
         assert state.shift == int(delta) < 0  # 图之后的文字：位置 = 读过的 token 数 + shift（transformers 的 rope_deltas）
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
@@ -116,7 +117,7 @@ def test_an_moe_model_sees_images_like_transformers(tmp_path):
               mm_token_type_ids=(ids == tower.cfg.image_token_id).int())
     with torch.no_grad():
         want = hf(input_ids=ids, **kw).logits
-        assert (model(ids, images=images) - want).abs().max() <= 1e-4 * want.abs().max()
+        assert (model(ids, **images.inputs(model, ids)) - want).abs().max() <= 1e-4 * want.abs().max()
         greedy = hf.generate(input_ids=ids, **kw, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
     assert generate(model, ids, 12, images=images) == greedy and len(set(greedy)) > 3
     fast, mtp = load(path, dtype=torch.bfloat16, quantize="int4")
@@ -148,7 +149,7 @@ def test_a_batch_row_with_an_image_equals_its_single_run(vision, tower, fast):
     images = tower.encode([picture(64, 96, 5)])
     with_image = images.expand(prompt_ids(tower.cfg, [40, "image", 41]))[0]
     text = torch.tensor([42, 43, 44])
-    rows = generate_batch(model, [with_image, text], 10, images=[images, None])
+    rows = generate_batch(model, [with_image, text], 10, images=ImageRows([images, None]))
     alone = [generate(model, with_image[None], 10, images=images), generate(model, text[None], 10)]
     if fast:  # 快路径：每行与单独运行逐位相同
         assert rows == alone
@@ -185,7 +186,7 @@ def test_image_tokens_must_match_the_images(vision, tower):
     images = tower.encode([picture(64, 64)])
     ids = prompt_ids(tower.cfg, [1, "image", 2])
     with pytest.raises(ValueError, match="请用 Images.expand"):
-        model(ids, images=images)  # 占位没有展开
+        images.inputs(model, ids)  # 占位没有展开
     with pytest.raises(ValueError, match="却给了 1 张图"):
         images.expand(prompt_ids(tower.cfg, [1, "image", "image"]))
 

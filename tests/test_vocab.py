@@ -1,4 +1,4 @@
-"""起草词表（qwen/vocab.py）：默认规则在真实的 Qwen 分词器上覆盖中英文，数出来的表存在检查点旁边，坏的输入报错。"""
+"""起草词表（qwen/tools/vocab.py）：默认规则在真实的 Qwen 分词器上覆盖中英文，数出来的表存在检查点旁边，坏的输入报错。"""
 
 import json
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen.vocab import VOCAB_FILE, draft_vocabulary, main
+from qwen.tools.vocab import VOCAB_FILE, draft_vocabulary, main
 
 QWEN_TOKENIZER = Path(__file__).resolve().parents[2] / "shared/reference/qwen-tokenizer-151k.json"
 
@@ -65,7 +65,7 @@ def test_default_vocabulary_covers_chinese_and_english(qwen_folder):
 
 
 def test_counted_vocabulary_is_saved_beside_the_checkpoint(tiny, tmp_path, capsys):
-    """python -m qwen.vocab 数自己的文本：出现过的 token 按次数排在前面，其余按默认规则补齐；存成 draft_vocab.json，
+    """python -m qwen.tools.vocab 数自己的文本：出现过的 token 按次数排在前面，其余按默认规则补齐；存成 draft_vocab.json，
     之后 draft_vocabulary("auto") 就用它。"""
     from tokenizers import Tokenizer
 

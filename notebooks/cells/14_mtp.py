@@ -13,9 +13,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import qwen
-from qwen.cache import AttentionState, State, commit, keep_history
-from qwen.mtp import MTP, Drafter, Run, forward_hidden, generate_mtp, speculate, verify
-from qwen.sample import Penalty, Sampling
+from qwen.cache import State, commit, keep_history
+from qwen.mtp import MTP, Run, generate_mtp, speculate, verify
 
 torch.manual_seed(0)
 torch.set_num_threads(1)  # demo 模型很小：一个线程最快，计时也稳
@@ -50,7 +49,7 @@ print(repr(chat.decode(plain[2])[:120]))
 # %% [markdown]
 # ## 每个草稿位置的接受率
 #
-# `speculate` 返回的 `SpecResult` 记下 `tried_at[i]`（第 i+1 个草稿被验证的次数：前面的都通过了它才会被看）和
+# `speculate` 返回这次的 `Run`，它记下 `tried_at[i]`（第 i+1 个草稿被验证的次数：前面的都通过了它才会被看）和
 # `accepted_at[i]`（它通过的次数）。条形是三个提示词合起来的 accepted_at / tried_at：第一个位置最容易猜对，
 # 后面的位置只在前面都通过时才被验证，是条件概率，不一定更低：前面都猜对时，往往正处在好猜的一段。
 
@@ -76,30 +75,26 @@ plt.show()
 # ## 一轮里的时间：起草、验证、提交
 #
 # 照 `spec_round` 写一轮带计时的（贪心、记下历史再提交），用的全是本章与第 11 章的零件：`mtp.draft` 起草 k 个，
-# `forward_hidden` 一次前向验证 [last, d₁…d_k]，`verify` 收下一致的前缀再加一个主模型的 token，`commit` 只留下它们的效果，
-# 草稿头收下这一轮的隐藏状态。开头的预填充同 `stream_mtp`。
+# `model.hidden` 与 `lm_head` 一次前向验证 [last, d₁…d_k]，`verify` 收下一致的前缀再加一个主模型的 token，`commit` 只留下
+# 它们的效果，草稿头收下这一轮的隐藏状态。开头的预填充就是 `Run.start`（预填充、选出第一个 token、草稿头记下提示词）。
 
 # %%
 def begin(ids):
-    """预填充（同 stream_mtp 的开头，贪心）→ (这次生成每轮都用的 Run：主模型状态、草稿头这边、怎么选 token, 第一个新 token)。"""
-    s = Sampling()
-    run = Run(s, None, Penalty([ids[0]], model.cfg.vocab_size, s), set(), False, State(model))
-    h = model.hidden(ids, run.state)
-    last, _ = run.choose(model.lm_head(h[:, -1]).float())
-    run.penalty.add([last])
-    run.drafter = Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
-    run.drafter.add(h, ids[0, 1:].tolist() + [last])  # 每个位置配上下一个 token
-    return run, last
+    """预填充（Run.start，贪心）→ (这次生成每轮都用的 Run：主模型状态、草稿头这边、怎么选 token, 第一个新 token)。"""
+    run = Run.start(model, ids)
+    run.penalty.add(run.tokens)
+    return run, run.tokens[0]
 
 
 def timed_round(run, last, k):
     """一轮 → (本轮的 token, 通过的草稿数, 四个时刻：开始、起草完、验证完、提交完)。"""
     t0 = time.perf_counter()
-    drafts, qs = mtp.draft(model, run.drafter, k, run)
+    drafts, qs = mtp.draft(model, run, k)
     t1 = time.perf_counter()
     start = run.state.pos
     keep_history(run.state)
-    logits, h = forward_hidden(model, torch.tensor([[last] + drafts]), run.state)
+    h = model.hidden(torch.tensor([[last] + drafts]), run.state)
+    logits = model.lm_head(h).float()
     n, new = verify(drafts, qs, logits[0], run)
     t2 = time.perf_counter()
     commit(run.state, start, len(new))
@@ -179,7 +174,7 @@ plt.show()
 
 # %%
 def best_times(ids, repeats=3):
-    """交替计时，每种取最快的一次 → {0: 普通解码, k: 投机解码（每轮 k 个）} 的秒数，与各 k 的 SpecResult。"""
+    """交替计时，每种取最快的一次 → {0: 普通解码, k: 投机解码（每轮 k 个）} 的秒数，与各 k 的 Run。"""
     best, results = {}, {}
     with torch.inference_mode():
         for _ in range(repeats):

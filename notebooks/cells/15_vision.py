@@ -152,14 +152,16 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
-# 同样的提示词交给 demo 语言模型（`model(ids, state, images=images)`，第 10 章的 `hidden_with_images`）：
+# 同样的提示词交给 demo 语言模型：`images.inputs` 给出第 10 章的模型要的两样——向量（图像 token 换成塔的输出）与三维位置，
+# `model(ids, state, embeds=…, positions=…)` 与 transformers 的 inputs_embeds、position_ids 一样，不知道那是图。
 # `state.pos` 数读过的 token，`State.shift` 记下位置比它少了多少——77 个图像 token 只占了 11 个位置，下一个 token 的位置是
 # pos + shift，正是上图最后一个位置加一。
 
 # %%
 with torch.inference_mode():
     state = State(model)
-    model(ids, state, last=True, images=images)
+    inputs = images.inputs(model, ids, state)  # {"embeds": [1, T, hidden], "positions": [3, 1, T]}
+    model(ids, state, last=True, **inputs)
 print(f"state.pos = {state.pos}, state.shift = {state.shift}, next position = {state.pos + state.shift}, "
       f"max position so far = {int(positions.max())}")
 assert state.pos + state.shift == int(positions.max()) + 1

@@ -7,7 +7,7 @@ import torch
 
 from ..model import Model
 from ..mtp import MTP
-from ..train import save_checkpoint
+from ..tools.train import save_checkpoint
 from ..weights import Config
 
 

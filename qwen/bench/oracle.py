@@ -12,9 +12,9 @@ class OracleDrafter:
         self.draft_cost = mtp.draft_cost  # 自动挑草稿数时按真的草稿头的代价算
         self.gen = torch.Generator().manual_seed(seed)
 
-    def draft(self, model, pending, k, pick):
-        first = pending.start + pending.tokens.shape[1] + 1  # 第一个草稿在整个序列里的位置
-        _, qs = self.mtp.draft(model, pending, k, pick)
+    def draft(self, model, run, k):
+        first = run.drafter.start + run.drafter.tokens.shape[1] + 1  # 第一个草稿在整个序列里的位置
+        _, qs = self.mtp.draft(model, run, k)
         drafts = []
         for i in range(k):
             target = self.seq[first + i] if first + i < len(self.seq) else 0

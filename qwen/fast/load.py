@@ -17,7 +17,7 @@ from torch import nn
 
 from ..model import Model, load_pretrained
 from ..mtp import MTP
-from ..vocab import draft_vocabulary
+from ..tools.vocab import draft_vocabulary
 from ..weights import find_model, load_config, load_weights
 from .draft import speed_up_mtp
 from .layers import COMPILED_PIECE, DECODE_LENGTHS, PackedModel, attach_blocks, speed_up_layer, speed_up_norms
@@ -73,7 +73,7 @@ def load(path=None, layout: str = "auto", quantize: str | None = None, dtype: to
          draft: bool = True, draft_vocab="auto") -> tuple[Model, MTP | None]:
     """加载文本模型与草稿头（draft=False，或检查点没有 mtp.* 时草稿头是 None）→ (model, mtp)。
     layout：auto（默认：这台机器上最快的）或 LAYOUTS 之一；quantize：None、"int8" 或 "int4"（分块布局上）；dtype：默认
-    plain 是 float32，其余在 CPU 支持时 bfloat16；draft_vocab：起草时打分的 token（qwen/vocab.py）。"""
+    plain 是 float32，其余在 CPU 支持时 bfloat16；draft_vocab：起草时打分的 token（qwen/tools/vocab.py）。"""
     model = load_model(path, layout, quantize, dtype)
     return model, load_draft(model, draft_vocab=draft_vocab) if draft else None
 

@@ -21,21 +21,21 @@ from .share import can_join, can_share, layers_many
 class PaddedRows:
     """混进 PackedModel（分块的 FastModel 是它的子类）：状态是左填充的（state.valid 不是 None）时走这里，其余照第 10 章。"""
 
-    def hidden(self, ids, state=None, images=None):
+    def hidden(self, ids, state=None, embeds=None, positions=None):
         if state is None or state.valid is None:
-            return super().hidden(ids, state, images)
-        return padded_hidden(self, ids, state, images)
+            return super().hidden(ids, state, embeds, positions)
+        return padded_hidden(self, ids, state, embeds, positions)
 
-    def forward(self, ids, state=None, last: bool = False, images=None):
+    def forward(self, ids, state=None, last: bool = False, embeds=None, positions=None):
         if state is None or state.valid is None:
-            return super().forward(ids, state, last, images)
-        h = padded_hidden(self, ids, state, images)
+            return super().forward(ids, state, last, embeds, positions)
+        h = padded_hidden(self, ids, state, embeds, positions)
         return head_rows(self.lm_head, h[:, -1:] if last else h)
 
 
-def padded_hidden(model, ids, state, images=None) -> torch.Tensor:
+def padded_hidden(model, ids, state, embeds=None, positions=None) -> torch.Tensor:
     """ids [B, T]（左填充）→ 最后一次 norm 之后的隐藏状态 [B, T, hidden]：每行的真实 token 照它单独运行那样算，
-    填充的位置是 0（没有人读它们）。images：每行的图（第 15 章的 Images 或 None）。"""
+    填充的位置是 0（没有人读它们）。embeds、positions：第 10 章 hidden 的输入（第 15 章放进了图），每行取自己的那一段。"""
     ids = model.check_ids(ids, state)
     B, T = ids.shape
     if getattr(state, "row_states", None) is None:
@@ -45,8 +45,9 @@ def padded_hidden(model, ids, state, images=None) -> torch.Tensor:
     todo = [(b, ids[b : b + 1, T - int(n) :]) for b, n in enumerate(real.sum(1).tolist()) if n]
     if not todo:
         raise ValueError("左填充的 valid 里这几个位置全是填充：每个提示词至少要有一个真实 token")
-    images = list(images) if images is not None else [None] * B
-    outs = hidden_many(model, [(x, state.row_states[b], images[b]) for b, x in todo])
+    given = [None if embeds is None else (embeds[b : b + 1, T - x.shape[1] :], positions[..., b : b + 1, T - x.shape[1] :])
+             for b, x in todo]  # 每行真实 token 的那一段
+    outs = hidden_many(model, [(x, state.row_states[b], g) for (b, x), g in zip(todo, given)])
     h = outs[0].new_zeros(B, T, outs[0].shape[-1])
     for (b, x), out in zip(todo, outs):
         h[b, T - x.shape[1] :] = out[0]
@@ -54,17 +55,17 @@ def padded_hidden(model, ids, state, images=None) -> torch.Tensor:
 
 
 def hidden_many(model, rows) -> list[torch.Tensor]:
-    """rows：[(ids [1, T_i], State, 图或 None)] → 各自的 hidden [1, T_i, hidden]，与 model.hidden(ids, state, 图) 逐位相同。
-    能拼的几行（分块布局、不编译图、一层拼得下、没有图）的全部层一次算完；其余一行一行地调用 model.hidden。"""
+    """rows：[(ids [1, T_i], State, (embeds, positions) 或 None)] → 各自的 hidden [1, T_i, hidden]，与 model.hidden 逐位相同。
+    能拼的几行（分块布局、不编译图、一层拼得下、只有 ids）的全部层一次算完；其余一行一行地调用 model.hidden。"""
     joins = can_join(model)
     joined, out = [], [None] * len(rows)
-    for i, (ids, state, images) in enumerate(rows):
+    for i, (ids, state, given) in enumerate(rows):
         x = model.embed_tokens(ids)  # [1, T_i, hidden]，权重的 dtype（同第 10 章的 hidden）
-        if joins and images is None and can_share(x, state, None):
+        if joins and given is None and can_share(x, state, None):
             cos, sin = model.rope(model.positions(ids.shape[1], state, ids.device))
             joined.append((i, (x.float(), cos, sin, state), x.dtype))
         else:
-            out[i] = model.hidden(ids, state, images)
+            out[i] = model.hidden(ids, state, *(given or ()))
     if joined:
         xs = layers_many(model, [part for _, part, _ in joined])
         for (i, (_, _, _, state), dtype), x in zip(joined, xs):

@@ -75,7 +75,7 @@ class FastModel(PackedModel):
         self.step = torch.compile(self.decode_step, dynamic=False, options=STEP_OPTIONS)
 
     def decode_step(self, x, pos, states, shift):
-        """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos、shift 是 0 维张量（RoPE 位置从 pos + shift 起，第 15 章），
+        """图里的一步：x [1, T, hidden] float32（已查过嵌入），pos、shift 是 0 维张量（RoPE 位置从 pos + shift 起，第 10 章），
         states 是各层的状态。"""
         cos, sin = rope_tables(self.cfg, pos + shift + torch.arange(x.shape[1], device=x.device))
         for layer, s in zip(self.layers, states):
@@ -92,12 +92,12 @@ class FastModel(PackedModel):
             return partner.share(self, layers_many, (x, cos, sin, state))
         return super().run_layers(x, cos, sin, state, valid)
 
-    def hidden(self, ids, state=None, images=None):
+    def hidden(self, ids, state=None, embeds=None, positions=None):
         ids = self.check_ids(ids, state)
         B, T = ids.shape
         if T not in self.step_lengths or state is None or B != 1 or state.valid is not None or state.pos == 0 \
-                or images is not None:
-            return super().hidden(ids, state, images)
+                or embeds is not None or positions is not None:
+            return super().hidden(ids, state, embeds, positions)
         attention = [s for s in state.layers if isinstance(s, AttentionState)]
         x = self.embed_tokens(ids)  # [1, T, hidden]
         with cache_offsets(attention, state.pos, T) as pos:

@@ -6,7 +6,7 @@ import torch
 
 from ..attention import AttentionState
 from ..cache import State, copy_state, keep_history
-from ..mtp import MAX_DRAFTS, SpecResult, stream_mtp
+from ..mtp import MAX_DRAFTS, Run
 from ..sample import stream
 from .draft import FastMTP
 from .layers import DECODE_LENGTHS
@@ -72,8 +72,8 @@ def measure_draft_cost(model, mtp, ids, rounds: int = 3) -> float:
     by_count = {}  # 起草数 → 各对的 t / t₀ − 1
     for _ in range(rounds):
         for k in range(1, MAX_DRAFTS + 1):
-            r = SpecResult()
-            times = gaps(stream_mtp(model, mtp, ids, 2 + 3 * (k + 1), draft_tokens=k, result=r))
+            r = Run.start(model, ids)
+            times = gaps(r.stream(model, mtp, 2 + 3 * (k + 1), draft_tokens=k))
             t0 = median(gaps(stream(model, ids, 6)))  # 紧挨着量的普通解码
             for (drafted, _, _), t in zip(r.trace[1:], times):
                 by_count.setdefault(drafted, []).append(t / t0 - 1)

@@ -24,10 +24,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ..chat import Chat
-from ..literal import Literal
-from ..conversation import generation_defaults
-from ..grammar import Grammars
-from ..logprobs import token_bytes
+from ..conversation import Prompt, generation_defaults
+from ..sampling.grammar import Grammars
+from ..sampling.logprobs import token_bytes
 from .access import Access, Guard
 from .body import parse_json
 from ..vision import VisionTower
@@ -56,19 +55,19 @@ class Server:
         self.header_timeout = header_timeout  # 连上之后（或上一个回答之后）这么多秒内要发完请求头
         self.engine = None
         self.chat = None
-        self.literal = None  # 切对话消息（客户的文字里的控制记号按文字切，qwen/literal.py）
+        self.prompt = None  # 对话消息的主人：用哪个模板、模板的参数、客户的文字只是文字（qwen/conversation/prompt.py）
         self.defaults = {}  # 检查点推荐的采样设置（generation_config.json）
         self.load_error = None
         self.closing = False
         self.tower = None  # 视觉塔（第 15 章）：第一个带图的请求来时才读
         self.tower_lock = threading.Lock()
-        self.table = None  # 结构化输出的分词器表（qwen/grammar.py 的 Grammars）：第一个带 response_format 的请求来时才建
-        self.pieces = None  # 每个 token 的字节（qwen/logprobs.py 的 token_bytes）：第一个要对数概率的请求来时才建
+        self.table = None  # 结构化输出的分词器表（qwen/sampling/grammar.py 的 Grammars）：第一个带 response_format 的请求来时才建
+        self.pieces = None  # 每个 token 的字节（qwen/sampling/logprobs.py 的 token_bytes）：第一个要对数概率的请求来时才建
         self.vocab_size = None
 
     def ready(self, engine):
         self.chat = Chat(engine.model)
-        self.literal = Literal(self.chat)
+        self.prompt = Prompt(self.chat)
         self.defaults = generation_defaults(self.chat.path)
         self.max_prompt = self.max_prompt or engine.model.cfg.max_position_embeddings
         self.vocab_size = engine.model.cfg.vocab_size
@@ -237,7 +236,7 @@ def serve(load, name: str, host="127.0.0.1", port=8000, api_key=None, **options)
     def loading():
         try:
             server.ready(load())
-            print(f"（{server.literal.describe()}）", file=sys.stderr)
+            print(f"（{server.prompt.describe()}）", file=sys.stderr)
         except Exception as e:
             server.load_error = e
             uv.should_exit = True

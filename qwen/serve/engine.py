@@ -2,7 +2,7 @@
 
 一个请求一个线程，跑的就是单个请求的代码：
     读已经留下的前缀（prefix.py）→ 把提示词读到最后一个用户问题的末尾、留一份状态 → 生成（Resume.generate：
-    有草稿头时 stream_mtp，否则 stream）
+    有草稿头时第 14 章的 Run，否则 stream）
 读到哪里的状态是一个 Resume（附录 conversation.py）：主模型的 State 与草稿头这一边，多轮对话与服务用的是同一个。
 线程都在 RowBatcher 里（batcher.py）：各请求的前向由 RowBatcher 的一个线程一次算完，谁先来后到都不改变谁的输出；
 谁什么时候加入、长提示词怎么读、起不起草，是 schedule.py 的决定。
@@ -24,8 +24,7 @@ import torch
 
 from ..conversation import Resume
 from ..fast.share import ALONE, sharing
-from ..logprobs import prompt_logprobs
-from ..mtp import SpecResult
+from ..sampling.logprobs import prompt_logprobs
 from ..sample import Sampling
 from .batcher import row_batcher, use_threads
 from .prefix import PrefixCache
@@ -52,8 +51,8 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # 从留下的状态接着读、没有重读的提示词 token 数
     tokens: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # sampling.logprobs 给了时：tokens 里每个的 Entry（放进 out 之前记下）
-    prompt_logprobs: list | None = None  # echo 时：提示词每个位置的 Entry（qwen/logprobs.py 的 prompt_logprobs）
+    logprobs: list = field(default_factory=list)  # sampling.logprobs 给了时：tokens 里每个的 Token（带对数概率，放进 out 之前记下）
+    prompt_logprobs: list | None = None  # echo 时：提示词每个位置的 Token（qwen/sampling/logprobs.py 的 prompt_logprobs）
     finish_reason: str | None = None
     error: Exception | None = None
     wake: object = field(default=None, repr=False)  # 引擎设的：cancel() 时叫醒排队的请求
@@ -207,16 +206,15 @@ class Engine:
             return
         greedy = request.sampling.temperature == 0  # 贪心：起不起草都是同样的 token，草稿数可以随批的大小变
         ids, images, begin = request.ids, request.images, len(resume.tokens)
-        tokens = resume.generate(self.model, self.mtp, ids[begin:], request.max_tokens, request.stop, request.sampling,
-                                 result=SpecResult(), cost_now=self.draft_cost_now if greedy else None,
-                                 images=images and images.part(ids, begin, len(ids)))
-        record = request.sampling.logprobs
+        tokens, _ = resume.generate(self.model, self.mtp, ids[begin:], request.max_tokens, request.stop, request.sampling,
+                                    cost_now=self.draft_cost_now if greedy else None,
+                                    images=images and images.part(ids, begin, len(ids)))
         for t in tokens:
             if request.cancelled.is_set():
                 request.finish_reason = "cancelled"
                 return
-            if record is not None:  # 选出 t 的那一行上的对数概率（qwen/logprobs.py）
-                request.logprobs.append(record.records[0].at(len(request.tokens), t))
+            if request.sampling.logprobs is not None:  # 要对数概率时 t 是第 12 章的 Token：它带着自己的
+                request.logprobs.append(t)
             request.tokens.append(t)
             request.out.put(t)
         stopped = request.tokens and request.tokens[-1] in request.stop

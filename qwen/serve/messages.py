@@ -167,19 +167,13 @@ def chosen(choice) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def template_options(body, literal) -> tuple:
-    """chat_template_kwargs → (enable_thinking, 别的参数)。发布的模板（第 13 章的 build_prompt）只认 enable_thinking（默认不思考）；
-    检查点自己的模板收它读的参数（JSON 的值原样交给模板，Literal.options 查名字），enable_thinking 没给时是 None：用模板的默认。"""
+def template_kwargs(body, prompt) -> dict:
+    """chat_template_kwargs → 交给模板的参数（Prompt.check 查：发布的模板只有 enable_thinking 与 add_vision_id；检查点自己的
+    模板收它读的参数，JSON 的值原样交给它；enable_thinking 没给时用模板自己的默认）。"""
     kwargs = body.get("chat_template_kwargs")
-    kwargs = {} if kwargs is None else kwargs
-    if not isinstance(kwargs, dict):
+    if kwargs is not None and not isinstance(kwargs, dict):
         raise ApiError(400, f"chat_template_kwargs 应为对象，收到 {show(kwargs)}", "chat_template_kwargs")
-    think = kwargs.get("enable_thinking", None if literal.template is not None else False)
-    if think is not None and not isinstance(think, bool):
-        raise ApiError(400, f"chat_template_kwargs.enable_thinking 应为 true/false，收到 {show(think)}", "chat_template_kwargs")
-    if think and not literal.chat.templated:
-        raise ApiError(400, f"{NO_TEMPLATE}不会思考", "chat_template_kwargs")
     try:
-        return think, literal.options({k: v for k, v in kwargs.items() if k != "enable_thinking"})
+        return prompt.check(kwargs)
     except ValueError as e:
         raise ApiError(400, f"chat_template_kwargs：{e}", "chat_template_kwargs") from None

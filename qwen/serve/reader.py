@@ -6,7 +6,7 @@ import json
 import re
 import uuid
 
-from ..chat import TextStream
+from ..streaming import TextStream
 
 TOOL_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)

@@ -6,13 +6,13 @@ import re
 from dataclasses import dataclass
 
 from ..conversation import cut_point
-from ..logprobs import MAX_TOP, Logprobs
 from ..sample import RULES, Sampling
+from ..sampling.logprobs import MAX_TOP
 from ..vision import TooManyImageTokens
 from .body import flag, number, within
 from .engine import Request
 from .errors import ApiError, show
-from .messages import check_messages, check_tools, chosen, template_options
+from .messages import check_messages, check_tools, chosen, template_kwargs
 from .reader import Reader
 
 SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -128,8 +128,7 @@ def sampling(body, defaults: dict) -> Sampling:
 def request(ids, body, server, keep=None, images=None, grammar=None, top=None) -> Request:
     """提示词的 token 与请求体 → 引擎的 Request。server：api.py 的 Server（defaults、max_tokens、max_prompt、chat）；
     grammar：response_format 的文法（只许合乎它的 token）；top：要对数概率时每个 token 另带几个（None：不要）。"""
-    s = Sampling.of(sampling(body, server.defaults), grammar=grammar, logit_bias=logit_bias(body, server.vocab_size),
-                    logprobs=None if top is None else Logprobs(top))
+    s = Sampling.of(sampling(body, server.defaults), grammar=grammar, logit_bias=logit_bias(body, server.vocab_size), logprobs=top)
     longest = number(body, "max_completion_tokens", 1, server.max_tokens, integer=True)
     limit = number(body, "max_tokens", 1, server.max_tokens, integer=True)
     limit = longest or limit or min(512, server.max_tokens)
@@ -141,20 +140,19 @@ def request(ids, body, server, keep=None, images=None, grammar=None, top=None) -
 
 def chat_job(body, server) -> Job:
     """POST /v1/chat/completions 的请求体 → Job。引擎在最后一个用户问题的末尾留一份状态（cut_point）。回答是不是从推理开始
-    看渲染出的提示词（模板以没合上的 <think> 结尾：Literal.thinks），与 enable_thinking 给没给、模板默认什么无关。"""
+    看渲染出的提示词（模板以没合上的 <think> 结尾：Rendered.thinks），与 enable_thinking 给没给、模板默认什么无关。"""
     check_common(body, CHAT_FIELDS, server.name)
-    chat, literal = server.chat, server.literal
+    chat, prompt = server.chat, server.prompt
     messages, tools = check_messages(body.get("messages"), chat.templated), check_tools(body, chat.templated)
-    think, kwargs = template_options(body, literal)
-    parts = []  # 消息里的图（第 13 章的 build_prompt 收下）
-    ids = rendered(lambda: literal.tokens(messages, think, tools, images=parts, kwargs=kwargs))  # 消息里写的控制记号只是文字
-    opens = literal.thinks(ids[0])  # 回答从推理开始
+    kwargs = template_kwargs(body, prompt)
+    made = rendered(lambda: prompt.render(messages, tools, kwargs))  # 消息里写的控制记号只是文字
+    opens, ids = made.thinks, made.ids  # 回答从推理开始
     grammar = tool_grammar(body, tools, server, opens) or response_grammar(body.get("response_format"), server, opens)
-    images = rendered(lambda: server.see(parts, server.max_prompt - ids.shape[1] - 1)) if parts else None
+    images = rendered(lambda: server.see(made.pictures, server.max_prompt - ids.shape[1] - 1)) if made.pictures else None
     ids = (images.expand(ids) if images is not None else ids)[0].tolist()
     keep = None
     if any(m["role"] == "user" for m in messages):
-        keep = rendered(lambda: cut_point(literal, messages, tools, ids, images, enable_thinking=think, kwargs=kwargs))
+        keep = rendered(lambda: cut_point(prompt, messages, tools, ids, images, kwargs))
     requests = copies(request(ids, body, server, keep, images, grammar, chat_logprobs(body)), body)
     readers = [Reader(chat.tk, opens, stops(body), tools is not None) for _ in requests]
     pieces = server.token_bytes() if requests[0].sampling.logprobs is not None else None
@@ -179,14 +177,13 @@ def copies(first: Request, body) -> list:
     out, s = [first], first.sampling
     for i in range(1, number(body, "n", 1, MAX_N, integer=True) or 1):
         seed = None if s.seed is None else (s.seed + i + 2**63) % 2**64 - 2**63  # 留在 64 位有符号整数里
-        record = None if s.logprobs is None else Logprobs(s.logprobs.top)  # 每个回答记自己的
-        out.append(Request(first.ids, first.max_tokens, first.stop, Sampling.of(s, seed=seed, logprobs=record), first.keep,
+        out.append(Request(first.ids, first.max_tokens, first.stop, Sampling.of(s, seed=seed), first.keep,
                            first.images, first.echo))
     return out
 
 
 def response_grammar(fmt, server, think: bool):
-    """response_format → 文法（qwen/grammar.py 的 Grammar）或 None：json_object 是任意一个 JSON 对象，json_schema 按它的
+    """response_format → 文法（qwen/sampling/grammar.py 的 Grammar）或 None：json_object 是任意一个 JSON 对象，json_schema 按它的
     schema（strict 给不给都照 schema 写：我们只会写合乎它的）。"""
     if fmt is None or fmt == {"type": "text"}:
         return None

@@ -29,9 +29,9 @@ class Choice:
     request: Request
     reader: object
     tokens: asyncio.Queue
-    entries: list = field(default_factory=list)  # 要对数概率时：写进回答的 token 的 Entry（停止符与停止字符串之后的不算）
+    entries: list = field(default_factory=list)  # 要对数概率时：写进回答的 Token（停止符与停止字符串之后的不算）
     offset: int = 0  # completions 的 text_offset：流式时已经发出的文字有多长
-    unsent: list = field(default_factory=list)  # 流式时还没发出的 Entry
+    unsent: list = field(default_factory=list)  # 流式时还没发出的 Token
 
 
 DONE = object()  # 合在一起的流里：这个回答写完了
@@ -57,8 +57,8 @@ class Reply:
             c.request.cancel()
 
     async def pieces(self, c: Choice):
-        """一个回答逐块产出 (reasoning, content, 这一块的 token 的 Entry)；停止字符串命中时让引擎停下它。
-        文字可能比 token 晚到（Reader 留着可能是标记开头的尾巴）：Entry 跟着下一块文字走。"""
+        """一个回答逐块产出 (reasoning, content, 这一块的 Token)；停止字符串命中时让引擎停下它。
+        文字可能比 token 晚到（Reader 留着可能是标记开头的尾巴）：Token 跟着下一块文字走。"""
         request, reader, count, fresh = c.request, c.reader, 0, []
         while True:
             t = await c.tokens.get()
@@ -70,7 +70,7 @@ class Reply:
             count += 1
             if t in request.stop or reader.stopped:
                 continue
-            if self.logprobs:  # 引擎放进 t 之前已经记下它的 Entry
+            if self.logprobs:  # 引擎放进 t 之前已经记下它（带对数概率的 Token）
                 fresh.append(request.logprobs[count - 1])
                 c.entries.append(fresh[-1])
             out = reader.feed(t)
@@ -117,18 +117,20 @@ class Reply:
 
     def scores(self, c: Choice, entries: list) -> dict | None:
         """OpenAI 的 logprobs：chat 是 {"content": [{token, logprob, bytes, top_logprobs}]}；completions 是 tokens、
-        token_logprobs、top_logprobs（{token: logprob}）与 text_offset（每个 token 在这个回答的文字里从第几个字起）。"""
+        token_logprobs、top_logprobs（{token: logprob}）与 text_offset（每个 token 在这个回答的文字里从第几个字起）。
+        entries：第 12 章的 Token（提示词的第 0 个没有前文，是普通的 int：它的 logprob 与 top 是 null）。"""
         if not self.logprobs:
             return None
-        text = [token_text(self.job.pieces[e.token]) for e in entries]
+        text = [token_text(self.job.pieces[e]) for e in entries]
+        logprobs, tops = [getattr(e, "logprob", None) for e in entries], [getattr(e, "top", None) for e in entries]
         if self.chat:
             def one(t, logprob):
                 return {"token": token_text(self.job.pieces[t]), "logprob": logprob, "bytes": list(self.job.pieces[t])}
-            return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(*best) for best in e.top]} for e in entries]}
+            return {"content": [one(e, lp) | {"top_logprobs": [one(*best) for best in top]} for e, lp, top in zip(entries, logprobs, tops)]}
         ends = list(accumulate((len(x) for x in text), initial=c.offset))  # 每个 token 的文字从哪里起（一遍累加）
         offsets, c.offset = ends[:-1], ends[-1]
-        top = [None if e.top is None else {token_text(self.job.pieces[t]): lp for t, lp in e.top} for e in entries]
-        return {"tokens": text, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top, "text_offset": offsets}
+        top = [None if t is None else {token_text(self.job.pieces[i]): lp for i, lp in t} for t in tops]
+        return {"tokens": text, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def chunk(self, choices, **more) -> str:
         data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -174,7 +176,7 @@ class Reply:
             self.cancel()  # 客户端断开（或出错）：引擎在下一个 token 之前停下，释放这些请求的状态
 
     def piece_chunks(self, c: Choice, piece):
-        """pieces 的一块 (reasoning, content, Entry) → SSE 块。Entry 跟着这一块的第一段文字发；没有文字时留给最后一块。"""
+        """pieces 的一块 (reasoning, content, Token) → SSE 块。Token 跟着这一块的第一段文字发；没有文字时留给最后一块。"""
         if isinstance(piece, Exception):
             raise piece
         c.unsent += piece[2]

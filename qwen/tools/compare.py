@@ -13,9 +13,9 @@ transformers 的 Qwen3.5（读同一个检查点），在两边的每一块（�
     shape mismatch  形状不同：直接报出两边的形状，绝不让广播把 [1, 1, H] 与 [1, T, H] 悄悄“对上”
     missing         只有一边有这一块：钩子没有触发（前向跳过了它、或在它那里抛了异常），或者两边层数不同
 
-    python -m qwen.compare                      # 默认用随包的 demo 检查点，离线即可
-    python -m qwen.compare --random             # 在临时文件夹里造一个随机的小检查点（发布检查点的布局）再对照
-    python -m qwen.compare --model PATH         # 任意检查点文件夹；--model Qwen/Qwen3.5-0.8B：缓存里找或下载（约 1.7 GB）
+    python -m qwen.tools.compare                      # 默认用随包的 demo 检查点，离线即可
+    python -m qwen.tools.compare --random             # 在临时文件夹里造一个随机的小检查点（发布检查点的布局）再对照
+    python -m qwen.tools.compare --model PATH         # 任意检查点文件夹；--model Qwen/Qwen3.5-0.8B：缓存里找或下载（约 1.7 GB）
     其他选项：[--prompt 文字] [--tokens 32] [--tol 1e-3]；要装测试依赖：pip install -e ".[test]"
 
 两边都用 float32；各块只差浮点舍入时相对差在 1e-6 的量级。有块不对时退出码是 1。
@@ -32,8 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from .model import Model
-from .weights import REPO_ID, Config, find_model, load_weights
+from ..model import Model
+from ..weights import REPO_ID, Config, find_model, load_weights
 
 TOL = 1e-3  # 相对差超过它就算这一块不对
 OK, DIFFERS, SHAPE, MISSING = "ok", "differs", "shape mismatch", "missing"
@@ -199,7 +199,7 @@ def prompt_ids(path: Path, text: str | None, tokens: int, vocab_size: int) -> to
 def random_checkpoint(path) -> Path:
     """在 path 造一个 RANDOM 形状的随机检查点，布局与发布的一样（嵌套的 text_config、model.language_model.*、
     mtp.*、分片索引）。借用附录 qwen/bench 的造法：它给每个参数都填了不平凡的随机值。"""
-    from .bench import random_checkpoint as build  # 只在 --random 时用到
+    from ..bench import random_checkpoint as build  # 只在 --random 时用到
 
     return build(path, RANDOM)
 
@@ -221,7 +221,7 @@ def run(path: Path, prompt: str | None, tokens: int, tol: float) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwen.compare", description="逐块对照 transformers，找出第一个不对的块")
+    p = argparse.ArgumentParser(prog="python -m qwen.tools.compare", description="逐块对照 transformers，找出第一个不对的块")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--model", default="demo",
                        help=f"检查点文件夹；默认 demo（随包的小模型，离线）；{REPO_ID}：本地缓存里找或下载（QWEN_MODEL 优先）")
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     try:  # 找不到检查点（离线又没有缓存）时说清楚，不打印调用栈
         path = find_model(None if args.model == REPO_ID and not Path(args.model).is_dir() else args.model)
     except FileNotFoundError as e:
-        raise SystemExit(f"python -m qwen.compare：{e}") from None
+        raise SystemExit(f"python -m qwen.tools.compare：{e}") from None
     return run(path, args.prompt, args.tokens, args.tol)
 
 

@@ -97,8 +97,8 @@ class Grammar:
 
 
 class Matcher:
-    """一次生成里文法走到了哪儿。mask(logits, extra)：不合文法的 token 取 −∞（extra：先沿这几个 token 前进，算完退回）；
-    add(tokens)：生成了这几个 token，前进。"""
+    """一次生成里文法走到了哪儿：第 12 章的一条 Rule。mask(logits, extra)：不合文法的 token 取 −∞（extra：先沿这几个 token
+    前进，算完退回）；add(tokens)：生成了这几个 token，前进。"""
 
     def __init__(self, m, vocab_size: int):
         self.m, self.vocab_size = m, vocab_size

@@ -13,7 +13,7 @@
 从自己的文本数一张表（FR-Spec、SGLang 的 --speculative-token-map、llama.cpp 的 d2t 都是这个思路：按模型自己输出里的
 频率排）：
 
-    python -m qwen.vocab --model PATH 文本1.txt 文本2.txt …   # 存成 PATH/draft_vocab.json，之后 auto 就用它
+    python -m qwen.tools.vocab --model PATH 文本1.txt 文本2.txt …   # 存成 PATH/draft_vocab.json，之后 auto 就用它
 
 表里先是这些文本里出现过的 token（按次数从多到少），再用上面的默认规则补到 --size 个。
 """
@@ -72,7 +72,7 @@ def draft_vocabulary(folder, vocab_size: int, draft_vocab="auto") -> tuple[torch
         try:
             ids = json.loads(file.read_text(encoding="utf-8"))["ids"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{file} 读不了（{type(e).__name__}）：它应是 python -m qwen.vocab 写的 {{\"ids\": [...]}}；"
+            raise ValueError(f"{file} 读不了（{type(e).__name__}）：它应是 python -m qwen.tools.vocab 写的 {{\"ids\": [...]}}；"
                              "删掉它就用默认的起草词表") from None
         ids, note = check_ids(ids, vocab_size, str(file)), f"{VOCAB_FILE}（从文本数出来的）"
     elif draft_vocab == "auto":
@@ -121,13 +121,13 @@ def coverage(counts: torch.Tensor, ids) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m qwen.vocab", description="从文本数出起草词表，存在检查点旁边")
+    p = argparse.ArgumentParser(prog="python -m qwen.tools.vocab", description="从文本数出起草词表，存在检查点旁边")
     p.add_argument("files", nargs="+", help="UTF-8 文本文件（用户自己的文本，或模型生成的回答）")
     p.add_argument("--model", required=True, help="检查点文件夹（要有 tokenizer.json 与 config.json）")
     p.add_argument("--size", type=int, default=SIZE, help=f"表里放多少个 token（默认 {SIZE}）")
     p.add_argument("--out", default=None, help=f"存到哪里（默认 MODEL/{VOCAB_FILE}）")
     args = p.parse_args(argv)
-    from .weights import load_config
+    from ..weights import load_config
 
     try:
         folder = Path(args.model)

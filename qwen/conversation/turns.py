@@ -1,6 +1,6 @@
 """附录 · 多轮对话：读过的历史不再重读，有草稿头就投机解码，采样默认用检查点推荐的设置。
 
-每一轮的提示词是整段对话渲染出来的（第 13 章的 build_prompt；消息里写的控制记号只是文字，见 literal.py）。
+每一轮的提示词是整段对话渲染出来的（prompt.py 的 Prompt：用哪个模板、消息里写的控制记号只是文字）。
 下一轮的提示词并不总是这一轮“提示词 + 回答”的延长：模板会去掉上一轮回答里的思考部分。但到最后一个用户问题为止的那一段，
 下一轮一定原样出现（只要历史没改）。
 所以每轮喂提示词时分两段：先喂到最后一个用户问题的末尾，把这时的状态复制一份留下（主模型的状态、草稿头的 KV 缓存、
@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-from .attention import AttentionState
-from .cache import State, copy_state
-from .fast import load_draft
-from .literal import Literal
-from .mtp import Drafter, SpecResult, stream_mtp
-from .sample import Sampling, stream
-from .vision import VisionTower
+from ..cache import State, copy_state
+from ..fast import load_draft
+from ..mtp import Drafter, Run, prefill
+from ..sample import Sampling, stream
+from ..vision import VisionTower
+from .prompt import Prompt
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty")  # 检查点能推荐的几项
 
@@ -70,50 +69,37 @@ class Resume:
 
     def copy(self) -> "Resume":
         """生成时状态就地往前走：留着的那份先复制一份再用。"""
-        d = self.drafter
-        return Resume(list(self.tokens), copy_state(self.state),
-                      d and Drafter(copy_state(d.cache), d.hidden, d.tokens, d.start, d.shift), list(self.images))
+        return Resume(list(self.tokens), copy_state(self.state), self.drafter and self.drafter.copy(), list(self.images))
 
     def feed(self, model, mtp, tokens: list, images=None) -> "Resume":
-        """接着读 tokens（就地往前走）：主模型读；有草稿头时它顺手读这一段的 (h_t, e_{t+1}) 对（最后一对等下一个 token）。
-        images：这一段里的图（第 15 章的 Images，整张地在这一段里）。"""
-        ids = torch.tensor([tokens])
-        h = model.hidden(ids, self.state, images)  # [1, n, h]
+        """接着读 tokens（就地往前走）：主模型读（第 14 章的 prefill）；有草稿头时它顺手读掉这一段的 (h_t, e_{t+1}) 对
+        （最后一个 h 等下一个 token）。images：这一段里的图（第 15 章的 Images，整张地在这一段里）。"""
+        _, drafter = prefill(model, torch.tensor([tokens]), self.state, self.drafter, images)
+        self.drafter = drafter if mtp is not None else None
         if mtp is not None:
-            d = self.drafter or Drafter(AttentionState(), h[:, :0], ids[:, :0], 0)
-            pairs_h = torch.cat([d.hidden, h[:, :-1]], 1)  # 从头读：第一对是 (h_0, e_1)；接着读：上次最后一个位置的 h
-            pairs_e = torch.cat([d.tokens, ids if self.drafter else ids[:, 1:]], 1)
-            if pairs_e.shape[1]:
-                mtp(model.embed_tokens(pairs_e), pairs_h, d.start, d.cache, self.state.shift)
-            self.drafter = Drafter(d.cache, h[:, -1:], ids[:, :0], d.start + pairs_e.shape[1], self.state.shift)
+            mtp.draft(model, self, 0)  # 起草 0 个：只读
         self.tokens = self.tokens + list(tokens)
         self.images = self.images + (images.digests if images is not None else [])
         return self
 
-    def generate(self, model, mtp, tokens: list, max_new_tokens: int, stop, sampling: Sampling, result=None, images=None,
-                 **more):
-        """读新来的 tokens（images：其中的图）并生成（就地往前走）：有草稿头时投机解码（第 14 章），否则普通解码（第 12 章）
-        → token 的迭代器。"""
-        history = self.tokens
+    def generate(self, model, mtp, tokens: list, max_new_tokens: int, stop, sampling: Sampling, images=None, **more):
+        """读新来的 tokens（images：其中的图）并生成（就地往前走）→ (token 的迭代器, 统计)：有草稿头时投机解码（第 14 章，
+        统计是那次的 Run），否则普通解码（第 12 章，统计是 None）。"""
         if mtp is None:
-            return stream(model, [tokens], max_new_tokens, stop, sampling, state=self.state, history=history, images=images)
-        rounds = stream_mtp(model, mtp, [tokens], max_new_tokens, stop, sampling, result=result, resume=self, images=images,
-                            **more)
-        return (t for emitted in rounds for t in emitted)
+            return stream(model, [tokens], max_new_tokens, stop, sampling, state=self.state, history=self.tokens, images=images), None
+        run = Run.start(model, [tokens], sampling, stop, resume=self, images=images)
+        return (t for emitted in run.stream(model, mtp, max_new_tokens, **more) for t in emitted), run
 
 
-def cut_point(literal, messages, tools, tokens, images=None, enable_thinking=False, kwargs=None) -> int | None:
+def cut_point(prompt: Prompt, messages, tools, tokens, images=None, chat_template_kwargs=None) -> int | None:
     """提示词里最后一个用户问题结束的位置（token 下标），下一轮一定原样出现；没有对话模板或没有用户消息时 None（不复用）。
-    images：tokens 里的图（占位已展开）：前缀里的每个占位也按它的图展开。enable_thinking、kwargs：渲染 tokens 时交给模板的。
+    images：tokens 里的图（占位已展开）：前缀里的每个占位也按它的图展开。chat_template_kwargs：渲染 tokens 时交给模板的。
     到那里为止单独渲染的一段不是 tokens 的开头（检查点自己的模板按后面的消息改写前面的轮次）时也是 None：不留错的状态。"""
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
-    if not literal.chat.templated or not users:
+    if not prompt.chat.templated or not users:
         return None
-    last = users[-1]
-    prefix = literal.tokens(messages[: last + 1], enable_thinking, tools, [], add_generation_prompt=False, kwargs=kwargs)
-    prefix = prefix[0].tolist()
-    if images is not None:
-        prefix = images.expand(torch.tensor([prefix]), prefix=True)[0].tolist()
+    prefix = prompt.render(messages[: users[-1] + 1], tools, chat_template_kwargs, add_generation_prompt=False).ids
+    prefix = (images.expand(prefix, prefix=True) if images is not None else prefix)[0].tolist()
     return len(prefix) if tokens[: len(prefix)] == prefix else None
 
 
@@ -125,7 +111,7 @@ class Conversation:
 
     def __init__(self, chat, mtp=True):
         self.chat, self.model = chat, chat.model
-        self.literal = Literal(chat)  # 客户的文字里的控制记号按文字切
+        self.prompt = Prompt(chat)  # 用哪个模板、模板的参数；客户的文字里的控制记号按文字切
         self.mtp = load_draft(chat.model, chat.path) if mtp is True else (mtp or None)
         self.defaults = generation_defaults(chat.path)
         self.saved: Resume | None = None
@@ -138,18 +124,18 @@ class Conversation:
         """丢掉留下的状态：下一轮从头读。"""
         self.saved = None
 
-    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, template_kwargs=None,
+    def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, chat_template_kwargs=None,
               **settings):
-        """对一组消息流式产出助手的回答（文字片段）。template_kwargs：交给检查点自己的对话模板的参数（发布的模板不收，见
-        literal.py）；enable_thinking=None 时用模板自己的默认。sampling（Sampling）或 settings（temperature、top_k、top_p、
+        """对一组消息流式产出助手的回答（文字片段）。chat_template_kwargs：交给对话模板的参数（Prompt.check 查；其中的
+        enable_thinking 优先于同名参数）；enable_thinking=None 时用模板自己的默认。sampling（Sampling）或 settings（temperature、top_k、top_p、
         repetition_penalty、presence_penalty、frequency_penalty、logit_bias、seed）：没给（或 None）的取检查点的默认值。上一个回答的生成器还没读完
         （也没关掉）时报错：留下的状态与统计属于一个对话，几个并发的对话请各用自己的 Conversation。"""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError("这个 Conversation 的上一个回答还没生成完（生成器没读完也没关掉）：并发的对话请各用自己的 "
                                "Conversation")
         try:
-            options = dict(enable_thinking=enable_thinking, kwargs=self.literal.options(template_kwargs))
-            yield from self.answer(messages, options, max_new_tokens, tools, sampling, settings)
+            kwargs = self.prompt.check(chat_template_kwargs, enable_thinking)
+            yield from self.answer(messages, kwargs, max_new_tokens, tools, sampling, settings)
         finally:
             self.busy.release()
 
@@ -157,12 +143,12 @@ class Conversation:
         """采样设置：给了 Sampling 就用它，否则检查点的默认值；settings 里不是 None 的几项覆盖它们。"""
         return Sampling.of(sampling or Sampling(**self.defaults), **{k: v for k, v in settings.items() if v is not None})
 
-    def answer(self, messages, options, max_new_tokens, tools, sampling, settings):
+    def answer(self, messages, kwargs, max_new_tokens, tools, sampling, settings):
         s = self.sampling(sampling, settings)
         Sampling.check("max_new_tokens", max_new_tokens)
         chat, model, t0 = self.chat, self.model, time.perf_counter()
-        tokens, images = self.encode(messages, tools=tools, **options)
-        cut = cut_point(self.literal, messages, tools, tokens, images, **options)
+        tokens, images = self.encode(messages, tools, kwargs)
+        cut = cut_point(self.prompt, messages, tools, tokens, images, kwargs)
         with torch.inference_mode():  # 只包住这一段：生成器在 yield 之间不替调用方开着 inference_mode
             resume = self.resume(tokens, cut, images)
             start = len(resume.tokens)
@@ -170,9 +156,8 @@ class Conversation:
                 self.saved = resume.feed(model, self.mtp, tokens[start:cut], images and images.part(tokens, start, cut)).copy()
         begin = len(resume.tokens)
         self.fed = len(tokens) - start
-        r = SpecResult() if self.mtp is not None else None  # stream_mtp、stream 每产出一步前自己进入 inference_mode
-        out = resume.generate(model, self.mtp, tokens[begin:], max_new_tokens, chat.stop, s, result=r,
-                              images=images and images.part(tokens, begin, len(tokens)))
+        out, r = resume.generate(model, self.mtp, tokens[begin:], max_new_tokens, chat.stop, s,  # 每产出一步前自己进入 inference_mode
+                                 images=images and images.part(tokens, begin, len(tokens)))
         counted = []
 
         def counting(tokens):
@@ -184,17 +169,15 @@ class Conversation:
         self.stats = dict(tokens=len(counted), seconds=time.perf_counter() - t0,  # drafted、hits：用了草稿头时才有
                           drafted=r.drafted if r else None, hits=r.hits if r else None)
 
-    def encode(self, messages, enable_thinking=False, tools=None, kwargs=None):
-        """消息 → (提示词的 token 列表, 其中的图)：有图时视觉塔（第一次用时读，与模型同一个 dtype）看图，占位按图展开。
-        kwargs：交给检查点自己的模板的参数。"""
-        parts = []
-        ids = self.literal.tokens(messages, enable_thinking, tools, images=parts, kwargs=kwargs)
-        if not parts:
-            return ids[0].tolist(), None
+    def encode(self, messages, tools=None, chat_template_kwargs=None):
+        """消息 → (提示词的 token 列表, 其中的图)：有图时视觉塔（第一次用时读，与模型同一个 dtype）看图，占位按图展开。"""
+        rendered = self.prompt.render(messages, tools, chat_template_kwargs)
+        if not rendered.pictures:
+            return rendered.ids[0].tolist(), None
         with torch.inference_mode():
             self.tower = self.tower or VisionTower.from_pretrained(self.chat.path, dtype=self.model.dtype)
-            images = self.tower.encode(parts)
-        return images.expand(ids)[0].tolist(), images
+            images = self.tower.encode(rendered.pictures)
+        return images.expand(rendered.ids)[0].tolist(), images
 
     def resume(self, tokens, cut, images=None) -> Resume:
         """从留下的那份接着（token 对得上、读过的图也是这几张时，复制一份），否则从头。"""

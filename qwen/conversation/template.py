@@ -27,23 +27,6 @@ class TemplateError(ValueError):
     """模板渲染不了：它自己 raise_exception 的说明、超出界限、碰了沙箱不许碰的东西。服务把它作为 400 的说明。"""
 
 
-def checkpoint_template(folder) -> tuple[str | None, str]:
-    """检查点文件夹 → (模板的文字, 从哪个文件来)；没有模板时 (None, "")。chat_template.jinja 优先（新的写法），
-    再是 tokenizer_config.json 的 chat_template（字符串，或 [{"name", "template"}] 里名为 default 的那个）。"""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja"
-    config = folder / "tokenizer_config.json"
-    if not config.is_file():
-        return None, ""
-    try:
-        value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-    except (ValueError, AttributeError):
-        raise ValueError(f"{config} 不是 JSON 对象：读不出它的 chat_template") from None
-    if isinstance(value, list):
-        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
-    return (value, "tokenizer_config.json") if isinstance(value, str) else (None, "")
-
-
 def specials(folder) -> dict:
     """tokenizer_config.json 里的 bos_token、eos_token、unk_token、pad_token（有的话）：transformers 把它们也交给模板。"""
     try:

@@ -11,7 +11,7 @@
 跳过测试目录，并固定留出一部分文件从不参与训练，用来评估。分词器是在训练文件上现训的字节级 BPE，
 几千个 token，加上 <|endoftext|>、<|im_start|>、<|im_end|>。
 
-    python -m qwen.train --out qwen/demo        # 本仓库附带的 demo 检查点就是这样训出来的（2 核约半小时）
+    python -m qwen.tools.train --out qwen/demo        # 本仓库附带的 demo 检查点就是这样训出来的（2 核约半小时）
 
 结果按发布检查点的布局写出（config.json 嵌套 text_config，张量名 model.language_model.* 与 mtp.*，
 tokenizer.json），于是 `--model demo` 能像真的 Qwen3.5 一样被加载、对话、投机解码。
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .model import Model
-from .mtp import MTP
-from .weights import Config
+from ..model import Model
+from ..mtp import MTP
+from ..weights import Config
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -209,7 +209,7 @@ def train(out: Path, steps: int | None = 1000, minutes: float | None = None, bat
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m qwen.train", description="从零训练一个带 MTP 头的小 Qwen3.5（标准库源码）")
+    p = argparse.ArgumentParser(prog="python -m qwen.tools.train", description="从零训练一个带 MTP 头的小 Qwen3.5（标准库源码）")
     p.add_argument("--out", default="qwen/demo", help="检查点写到这里")
     p.add_argument("--steps", type=int, default=1000, help="训练步数（每步 batch × seq 个 token）")
     p.add_argument("--minutes", type=float, default=None, help="改用时间预算估步数（不可复现）")
