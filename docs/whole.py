@@ -22,7 +22,7 @@ OUT = HERE / "whole.svg"
 DELTA, ATTN, DRAFT, SERVE = "#4e79a7", "#f28e2b", "#59a14f", "#b07aa1"
 THREADS = {  # 服务的线程（名字在 qwen/serve 的源码里）：谁做什么
     "qwen-load": "加载模型（加载完之前 /health 是 503）",
-    "qwen-request": "每个请求一个：跑单个请求的代码（stream / stream_mtp）",
+    "qwen-request": "每个请求一个：跑单个请求的代码（stream / Run.stream）",
     "qwen-rows": "RowBatcher：一步把几个请求的同一件事一次算完（共用一次读权重）",
     "qwen-prefill": "长提示词的预填充，放在对齐之外",
 }

@@ -34,6 +34,8 @@ def chat_template(folder: Path) -> tuple:
         value = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
     except (ValueError, AttributeError):
         raise ValueError(f"{config} 不是 JSON 对象：读不出它的 chat_template") from None
+    if isinstance(value, list):  # 几个有名字的模板 [{"name", "template"}]：用名为 default 的那个
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
     return (value, config.name) if isinstance(value, str) and value.strip() else (None, "")
 
 

@@ -55,7 +55,7 @@ def test_bytes_per_token_from_the_shapes(tiny):
 def test_an_moe_random_checkpoint_and_the_bytes_a_token_reads(tmp_path):
     """--size 35B-A3B 的随机检查点是专家混合的发布布局（model_type qwen3_5_moe，堆叠的专家，输出头不共用）；一个 token
     读的字节只算它的 k 个专家：由配置里的形状独立算出（这里窄：hidden 64、16 个专家里用 4 个）。"""
-    from qwen.bench.checkpoint import SIZES
+    from qwen.tools.checkpoint import SIZES
 
     c = Config(**{**SIZES["35B-A3B"], "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
                   "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qwen import Model
-from qwen import compare as cmp
+from qwen.tools import compare as cmp
 from qwen.weights import DEMO_PATH
 
 from checkpoints import prompt

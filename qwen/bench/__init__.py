@@ -24,7 +24,7 @@ __main__.py 命令行与轮流测的安排。
 """
 
 
-from .checkpoint import random_checkpoint
+from ..tools.checkpoint import random_checkpoint
 from .oracle import OracleDrafter
 from .probe import bytes_per_token, peak_rss_gb, read_bandwidth, timed
 from .report import ideal, merge_rounds, report

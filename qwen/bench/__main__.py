@@ -11,7 +11,7 @@ import torch
 
 from ..fast import DTYPES
 from ..weights import Config, find_model
-from .checkpoint import SIZES, random_checkpoint
+from ..tools.checkpoint import SIZES, random_checkpoint
 from .llama import find_gguf, run_llama
 from .probe import read_bandwidth
 from .report import VARIANTS, machine, merge_rounds, plot, report

@@ -27,7 +27,7 @@ from ..fast import load
 from ..sample import generate
 from ..vision import VisionConfig, VisionTower, prepare
 from ..weights import Config
-from .checkpoint import random_checkpoint
+from ..tools.checkpoint import random_checkpoint
 from .report import machine
 
 QUESTION = 20  # 问题的 token 数

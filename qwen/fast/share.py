@@ -13,7 +13,7 @@ CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）�
 把这件事交给它的线程，等它把几个请求交上的同一件事一次算完（share）。两者是同样的三样东西：takes、share、matvec。
 
 回答由运行请求的一方传下来：`with sharing(partner):` 之内（服务器的请求线程在 RowBatcher.member() 之内，它就是这样设的），
-这个线程的前向都问它。章节的 stream、stream_mtp 不带这个参数（章节不知道附录），所以它像 torch.inference_mode() 那样
+这个线程的前向都问它。章节的 stream、Run.stream 不带这个参数（章节不知道附录），所以它像 torch.inference_mode() 那样
 随线程走（contextvars）。另开的线程要自己算时写明 `with sharing(ALONE):`（服务器读长提示词的线程就这样）：有的 Python
 （自由线程的 3.14）让新线程继承开它的线程的设置。模型本身不被改动：同一个模型可以同时给几个线程、几个引擎用。
 """

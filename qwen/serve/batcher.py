@@ -4,7 +4,7 @@ CPU 上解码一个 token 的时间几乎都花在读权重上（第 14 章）�
 （continuous batching：Yu 等 2022 的 Orca；vLLM、SGLang、llama-server 都这样做）让正在生成的几个请求每一步一起前向。
 
 我们要它不改变任何一个请求的输出：一个请求与别的请求一起算时，每个 token 都与它单独运行时逐位相同。做法是：
-- 每个请求在自己的线程里跑单个请求的代码（第 12 章的 stream、第 14 章的 stream_mtp），用自己的 State；
+- 每个请求在自己的线程里跑单个请求的代码（第 12 章的 stream、第 14 章的 Run.stream），用自己的 State；
 - 线程走到主模型的解码层（全部 24 层是一件事：FastModel.run_layers）、草稿头的解码层，或层外的一个矩阵乘法（输出头、
   草稿头的 fc 与起草词表）时，问这个线程和谁一起算（附录 qwen/fast/share.py 的约定：默认自己算）。请求线程在
   `with batcher.member():` 之内，回答是 RowBatcher：把这一件事交给它（share）等着；所有线程都在等时，RowBatcher 自己的

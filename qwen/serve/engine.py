@@ -3,7 +3,7 @@
 一个请求一个线程，跑的就是单个请求的代码：
     读已经留下的前缀（prefix.py）→ 把提示词读到最后一个用户问题的末尾、留一份状态 → 生成（Resume.generate：
     有草稿头时第 14 章的 Run，否则 stream）
-读到哪里的状态是一个 Resume（附录 conversation.py）：主模型的 State 与草稿头这一边，多轮对话与服务用的是同一个。
+读到哪里的状态是一个 Resume（附录 conversation/turns.py）：主模型的 State 与草稿头这一边，多轮对话与服务用的是同一个。
 线程都在 RowBatcher 里（batcher.py）：各请求的前向由 RowBatcher 的一个线程一次算完，谁先来后到都不改变谁的输出；
 谁什么时候加入、长提示词怎么读、起不起草，是 schedule.py 的决定。
 同时生成的请求至多 slots 个，多出来的按先来后到排队（queue）。客户端断开时请求的 cancel() 被调用：排队的立刻离开

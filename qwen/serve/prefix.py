@@ -1,6 +1,6 @@
 """附录 · 服务：留下的对话状态，按 token 前缀给之后的请求接着读。
 
-与附录 conversation.py 的 Conversation 是同一个思路，只是跨请求、按 token 前缀查：对话的下一轮一定原样包含“到上一个
+与附录 conversation/ 的 Conversation 是同一个思路，只是跨请求、按 token 前缀查：对话的下一轮一定原样包含“到上一个
 用户问题为止”的那段提示词（conversation.cut_point），从那里接着读，与从头读输出逐 token 相同。vLLM 的前缀缓存只能从块的
 边界接着读；混合模型的 DeltaNet 状态没法截短，所以我们只在一个个用户问题的末尾留份。
 """

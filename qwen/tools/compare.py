@@ -199,7 +199,7 @@ def prompt_ids(path: Path, text: str | None, tokens: int, vocab_size: int) -> to
 def random_checkpoint(path) -> Path:
     """在 path 造一个 RANDOM 形状的随机检查点，布局与发布的一样（嵌套的 text_config、model.language_model.*、
     mtp.*、分片索引）。借用附录 qwen/bench 的造法：它给每个参数都填了不平凡的随机值。"""
-    from ..bench import random_checkpoint as build  # 只在 --random 时用到
+    from .checkpoint import random_checkpoint as build  # 只在 --random 时用到
 
     return build(path, RANDOM)
 

@@ -1,4 +1,4 @@
-"""附录 · 基准测试：按 cfg 的形状造随机权重、按发布检查点的布局存盘（测速度不必下载模型）。"""
+"""附录 · 工具：按 cfg 的形状造随机权重、按发布检查点的布局存盘（测速度不必下载模型）。"""
 
 import math
 from pathlib import Path
@@ -7,7 +7,7 @@ import torch
 
 from ..model import Model
 from ..mtp import MTP
-from ..tools.train import save_checkpoint
+from .train import save_checkpoint
 from ..weights import Config
 
 
