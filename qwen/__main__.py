@@ -277,7 +277,7 @@ def chat_main(args) -> None:
     try:
         model = load_model(args.model, layout_of(args), args.quantize, DTYPES.get(args.dtype))
         conversation = Conversation(Chat(model), mtp=not args.no_mtp)
-        conversation.prompt.check(args.chat_template_kwargs)  # 模板收不收这些参数：先查
+        conversation.prompt.check(args.chat_template_kwargs, args.think)  # 模板收不收这些参数（与 --think）：先查
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         sys.exit(f"错误：{e}")
     print(f"（{conversation.prompt.describe()}）", file=sys.stderr)
