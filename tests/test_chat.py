@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from qwen import Chat, Conversation, build_prompt, generate
 from qwen.conversation import generation_defaults

@@ -451,7 +451,7 @@ def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):
 def test_course_names_import(model, mtp):
     """课程正文里的写法：from qwen.mtp import Run, prefill, snapshot, rollback, MTP, generate_mtp。Run.start 预填充、选出第一个
     token、让草稿头这一边记下提示词（每个 h 配上下一个 token）；run.stream 逐轮产出，统计就在 run 上。"""
-    from qwen.mtp import MTP, Run, generate_mtp, prefill, rollback, snapshot  # noqa: F401
+    from qwen.mtp import MTP, Run, generate_mtp, prefill, rollback, snapshot  # noqa: F401（MTP、generate_mtp：课程里写的名字）
 
     ids = ids_of(12, seed=8)
     run = Run.start(model, ids)
