@@ -53,6 +53,8 @@ class MTP(nn.Module):
         d.hidden, d.tokens, d.start = d.hidden[:, n:], d.tokens[:, :0], d.start + n
         for i in range(k):
             t, q = run.choose(self.draft_logits(model, x)[0, -1:], drafts)  # 起草的分数 [1, V]
+            if t is None:  # 一个也不许（起草词表里没有文法此刻许的 token）：这一轮就起草这几个
+                break
             drafts, qs = drafts + [t], qs + [q]
             if i + 1 < k:
                 x = self(model.embed_tokens(torch.tensor([[t]], device=x.device)), x, d.start + i, d.cache, shift)
@@ -92,8 +94,8 @@ def prefill(model, ids, state: State, drafter: Drafter | None = None, images=Non
 
 @dataclass
 class Run:
-    """一次投机生成：每轮都用的（怎么选：sampling、它的随机数发生器、罚重复；停止符；回滚的做法；主模型的 State；草稿头这一边；
-    已输出的 token）与边生成边记的统计。Run.start 预填充、选出第一个 token；run.stream 逐轮产出 token。"""
+    """一次投机生成：怎么选（sampling、generator、penalty）、停止符、回滚的做法、主模型的 State、草稿头这一边、已输出的 token
+    与边生成边记的统计。Run.start 预填充、选出第一个 token；run.stream 逐轮产出 token。"""
     sampling: Sampling
     generator: torch.Generator | None
     penalty: Penalty
@@ -110,6 +112,7 @@ class Run:
     trace: list = field(default_factory=list)  # 每轮 (起草数, 接受数, 本轮输出的 token)
     forwards: int = 0  # 主模型前向次数（含预填充与重算）
     prefill_seconds: float = 0.0  # 从调用到第一个 token 选出（预填充）的秒数：解码阶段的速度要扣掉它
+    acceptance: float = 0.0  # hits / drafted：起草的 token 被接受的比例
 
     @classmethod
     @torch.inference_mode()
@@ -128,8 +131,9 @@ class Run:
         run.prefill_seconds = time.perf_counter() - t0
         return run
 
-    def choose(self, logits, extra=()):  # 一个位置的 logits [1, V] → (token, 分布 q；贪心时 None)；extra 见 Penalty
-        return choose(self.penalty.mask(logits, extra)[0], self.sampling.temperature, self.sampling.top_k, self.sampling.top_p, self.generator)
+    def choose(self, logits, extra=()):  # 一个位置的 logits [1, V] → (token, 分布 q；贪心时 None)，一个也不许时 (None, None)
+        row, s = self.penalty.mask(logits, extra)[0], self.sampling  # extra 见 Penalty
+        return choose(row, s.temperature, s.top_k, s.top_p, self.generator) if row.isfinite().any() else (None, None)
 
     @torch.inference_mode()
     def stream(self, model, mtp, max_new_tokens: int, draft_tokens=None, cost_now=None):
@@ -145,21 +149,17 @@ class Run:
         self.penalty.add(self.tokens)
         while self.tokens[-1] not in self.stop and len(self.tokens) < max_new_tokens:
             k = draft_tokens or best_draft_count(self.accepted_at[0], self.tried_at[0], cost_now() if cost_now else mtp.draft_cost)
-            k = max(k, int(idle >= PROBE_EVERY))  # 太久没起草：试一个，让接受率的估计跟上文本的变化
-            k = min(k, max_new_tokens - len(self.tokens) - 1)  # 别起草超出预算的 token
+            k = min(max(k, int(idle >= PROBE_EVERY)), max_new_tokens - len(self.tokens) - 1)  # 太久没起草时试一个；不超出预算
             idle = idle + 1 if k == 0 else 0  # 连续几轮没有起草
-            n, emitted, forwards = spec_round(model, mtp, self, k, max_new_tokens - len(self.tokens))
+            k, n, emitted, forwards = spec_round(model, mtp, self, k, max_new_tokens - len(self.tokens))
             self.tried_at = [t + (i < min(n + 1, k)) for i, t in enumerate(self.tried_at)]  # 第 i+1 个草稿真的被检验过（前面的都通过了）
             self.accepted_at = [a + (i < n) for i, a in enumerate(self.accepted_at)]  # 前 n 个通过
             self.rounds, self.forwards, self.drafted = self.rounds + 1, self.forwards + forwards, self.drafted + k
             self.hits, self.tokens = self.hits + min(n, len(emitted)), self.tokens + emitted
+            self.acceptance = self.hits / self.drafted if self.drafted else 0.0
             self.trace.append((k, min(n, len(emitted)), emitted))  # 这一轮：起草 k 个，前 n 个通过，输出 emitted（可能被截短）
             self.penalty.add(emitted)
             yield emitted
-
-    @property
-    def acceptance(self) -> float:
-        return self.hits / self.drafted if self.drafted else 0.0
 
 
 def verify(drafts, qs, logits, run: Run):
@@ -186,9 +186,9 @@ def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRA
 
 
 def spec_round(model, mtp, run: Run, k: int, budget: int):
-    """一轮：起草 k 个 → 一次前向验证 [last, d₁…] → 接受一致的前缀 → 提交（或回滚）→ (通过数, 本轮的 token, 前向次数)。"""
-    # 1. 起草（k = 0 时这一轮就是普通解码）
-    drafts, qs = mtp.draft(model, run, k) if k > 0 else ([], [])
+    """一轮：起草 k 个 → 一次前向验证 [last, d₁…] → 接受一致的前缀 → 提交（或回滚）→ (起草数, 通过数, 本轮的 token, 前向次数)。"""
+    drafts, qs = mtp.draft(model, run, k) if k > 0 else ([], [])  # 1. 起草（k = 0 时这一轮就是普通解码）
+    k = len(drafts)  # 起草头可能少起草几个（文法此刻许的 token 它都不打分时）
     # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
     state, start = run.state, run.state.pos
     feed = torch.tensor([[run.tokens[-1]] + drafts], device=run.drafter.tokens.device)  # [1, k+1]
@@ -209,7 +209,7 @@ def spec_round(model, mtp, run: Run, k: int, budget: int):
     elif not run.recompute and k > 0:
         commit(state, start, m)  # 取出第 m 个位置之后的 S 和卷积窗口，KV 缓存截到 start + m
     run.drafter.add(h[:, :m], emitted)  # 这一轮留下的 m 对 (h_t, e_{t+1})：草稿头下次起草时一并读掉
-    return n, emitted, 1 + int(run.recompute and m < k + 1)  # 重算过的一轮是两次前向
+    return k, n, emitted, 1 + int(run.recompute and m < k + 1)  # 重算过的一轮是两次前向
 
 
 def stream_mtp(model, mtp, ids, max_new_tokens=100, stop=(), sampling=None, draft_tokens=None, cost_now=None, **more):

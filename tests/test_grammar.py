@@ -93,3 +93,33 @@ def test_without_llguidance_the_error_names_the_extra(lively, monkeypatch):
     _, _, chat, _ = loaded(lively, "bfloat16")
     with pytest.raises(ImportError, match=r'pip install "qwen\[grammar\]"'):
         Grammars(chat, 1000)
+
+
+def no_digit_drafts(lively, name):
+    """同一个快模型，草稿头的起草词表却没有一个数字 token：文法此刻只许数字时，草稿头打分的 token 一个也不许。"""
+    from qwen.fast import load_draft
+
+    model, _, chat, grammars = loaded(lively, name)
+    digits = {i for i in range(model.cfg.vocab_size) if (chat.tk.id_to_token(i) or " ")[0].isdigit()}
+    assert len(digits) >= 10
+    return model, load_draft(model, draft_vocab=[i for i in range(model.cfg.vocab_size) if i not in digits]), chat, grammars
+
+
+@pytest.mark.parametrize("path", ["bfloat16", "int4"])
+def test_sampled_drafts_under_a_schema_the_draft_vocabulary_cannot_write(lively, path):
+    """起草词表里没有文法此刻许的 token 时（整数要数字，草稿头不给数字打分）草稿头少起草几个，而不是从全是 −∞ 的一行里
+    抽样（那会是 NaN、一个 500）：3 个 schema × 16 个种子 × 起草 1、2、3 个，抽样都不出错，写完的都合乎 schema；贪心仍与
+    不起草的逐个相同。"""
+    model, mtp, chat, grammars = no_digit_drafts(lively, path)
+    ids = chat.encode(chat.prompt([{"role": "user", "content": "写一个 JSON"}]))
+    for shape in SCHEMAS:
+        grammar, finished = grammars.json_schema(SCHEMAS[shape]), 0
+        for seed in range(16):
+            for k in (1, 2, 3):
+                tokens = speculate(model, mtp, ids, 40, chat.stop, grammar=grammar, temperature=1.0, seed=seed, draft_tokens=k).tokens
+                if tokens[-1] in chat.stop:
+                    jsonschema.validate(json.loads(text_of(chat, tokens)), SCHEMAS[shape])
+                    finished += 1
+        assert finished >= 24, shape
+        greedy = generate(model, ids, 60, stop=chat.stop, grammar=grammar)
+        assert speculate(model, mtp, ids, 60, chat.stop, grammar=grammar, draft_tokens=2).tokens == greedy

@@ -14,9 +14,9 @@ class OracleDrafter:
 
     def draft(self, model, run, k):
         first = run.drafter.start + run.drafter.tokens.shape[1] + 1  # 第一个草稿在整个序列里的位置
-        _, qs = self.mtp.draft(model, run, k)
+        _, qs = self.mtp.draft(model, run, k)  # 草稿头可能少起草几个（文法此刻许的 token 它都不打分时）：照它的个数
         drafts = []
-        for i in range(k):
+        for i in range(len(qs)):
             target = self.seq[first + i] if first + i < len(self.seq) else 0
             if torch.rand((), generator=self.gen) >= self.a:
                 target = (target + 1) % model.cfg.vocab_size  # 故意猜错
