@@ -197,6 +197,8 @@ def serve_options(sub) -> None:
     p.add_argument("--max-tokens", type=number(int, 1), default=4096, help="一个请求的 max_tokens 上限")
     p.add_argument("--max-body-mb", type=number(float, 0, low_open=True), default=20,  # 同 serve/api.py 的 MAX_BODY
                    help="请求体至多多少 MB（带图的请求是 base64 的 data: URL，一张手机照片几 MB；超过回 413）")
+    p.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="请求没给 chat_template_kwargs 时交给对话模板的参数（比如 '{\"enable_thinking\": false}'；默认是模板自己的）")
     p.add_argument("--no-mtp", action="store_true", help="不用草稿头")
     p.set_defaults(run=serve_main)
 
@@ -241,7 +243,7 @@ def serve_main(args) -> None:
 
     serve(start, args.served_model_name or model_name(path), args.host, args.port, args.api_key,
           max_tokens=args.max_tokens, allow_hosts=args.allow_host, allow_origins=args.allow_origin,
-          max_body=int(args.max_body_mb * 2**20))
+          max_body=int(args.max_body_mb * 2**20), default_chat_template_kwargs=args.default_chat_template_kwargs)
 
 
 def model_name(path) -> str:

@@ -144,8 +144,18 @@ def test_client_text_without_markers_is_encoded_as_before(real_chat, shape):
     prompt = Prompt(real_chat)
     for tools in (None, TOOLS):
         want = real_chat.encode(real_chat.prompt(SHAPES[shape], tools=tools))
-        made = prompt.render(SHAPES[shape], tools)
+        made = prompt.render(SHAPES[shape], tools, {"enable_thinking": False})  # 第 13 章的 prompt 默认不思考
         assert torch.equal(made.ids, want) and made.pictures == [] and not made.thinks
+
+
+def test_the_released_templates_own_default_is_thinking(real_chat):
+    """不给 enable_thinking 时用发布的模板自己的默认：它只在 enable_thinking 是 false 时放空的 <think>，所以默认是思考
+    （与 transformers、vLLM、llama-server --jinja 送出的相同）；Rendered.thinks 说回答从推理开始。"""
+    prompt, messages = Prompt(real_chat), SHAPES["one user turn"]
+    made = prompt.render(messages)
+    want = Template(TEMPLATE.read_text(encoding="utf-8"), "模板").render(messages, None, True)  # 不传 enable_thinking
+    assert torch.equal(made.ids, real_chat.encode(want)) and made.thinks
+    assert not prompt.render(messages, None, {"enable_thinking": False}).thinks
 
 
 def test_role_markers_in_client_text_stay_text(real_chat):
@@ -157,7 +167,7 @@ def test_role_markers_in_client_text_stay_text(real_chat):
                 {"role": "assistant", "content": FORGED, "tool_calls": [{"name": "f", "arguments": {"x": FORGED}}]},
                 {"role": "tool", "content": FORGED + ESC + ESC + "a"}]
     tools = [{"type": "function", "function": {"name": "f", "description": FORGED}}]
-    ids = prompt.render(messages, tools).ids[0].tolist()
+    ids = prompt.render(messages, tools, {"enable_thinking": False}).ids[0].tolist()
     start, pad = real_chat.tk.token_to_id("<|im_start|>"), real_chat.tk.token_to_id("<|image_pad|>")
     assert ids.count(start) == 5 and pad not in ids  # 系统（工具说明）、用户、助手、工具结果、接话
     assert real_chat.decode(ids) == real_chat.prompt(messages, tools=tools)

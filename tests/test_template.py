@@ -97,7 +97,7 @@ def test_released_template_takes_no_other_kwargs(model, folders, monkeypatch):
     pictures = [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "?"}]}]
     numbered = prompt.render(pictures, None, {"add_vision_id": True, "enable_thinking": True})  # 发布的模板的两个参数
     assert "Picture 1: <|vision_start|>" in Chat(model).decode(numbered.ids[0]) and numbered.thinks
-    assert numbered.pictures == [pictures[0]["content"][0]] and not prompt.render(pictures).thinks
+    assert numbered.pictures == [pictures[0]["content"][0]] and prompt.render(pictures).thinks  # 发布的模板默认思考
     custom = Prompt(Chat(model, folders["preserve"]))
     for bad, why in [({"_x": 1}, "'_x' 不能给"), ({"messages": []}, "'messages' 不能给"), ([1], "应为 dict"),
                      ({"enable_thinking": "yes"}, "应为 true/false")]:
@@ -226,3 +226,35 @@ def test_bad_templates_are_a_400_and_the_server_lives_on(folders):
         assert status == 200 and body["usage"]["completion_tokens"] > 0
     finally:
         stop(uv, server, keep_engine=False)
+
+
+def test_served_thinking_follows_the_template_then_the_server_defaults(lively, folders, tmp_path):
+    """没给 chat_template_kwargs 时服务用模板自己的默认（与 transformers 的 apply_chat_template 切出的 token 数相同）；
+    检查点的 generation_config.json 里的 default_chat_template_kwargs 与 --default-chat-template-kwargs 依次叠在上面，
+    请求自己给的最后叠上；服务的默认参数不合模板时加载就报错。"""
+    import json
+    import shutil
+
+    from qwen.serve.api import Server
+    from qwen.serve.engine import Engine
+
+    folder = shutil.copytree(folders["preserve"], tmp_path / "ck")
+    (folder / "generation_config.json").write_text(json.dumps({"default_chat_template_kwargs": {"enable_thinking": True}}))
+    model = load_model(folder, dtype=torch.float32)
+    engine = Engine(model, None, slots=1, cache_mb=0)
+    messages = [{"role": "user", "content": "介绍一下长江。"}]
+    for given, want in [(None, {"enable_thinking": True}), ({"preserve_thinking": True}, {"enable_thinking": True, "preserve_thinking": True}),
+                        ({"enable_thinking": False}, {"enable_thinking": False, "preserve_thinking": True})]:
+        server = Server(NAME, max_tokens=8, default_chat_template_kwargs=given)
+        server.ready(engine)
+        url, uv = start(server)
+        for asked in [{}, {"enable_thinking": False}]:
+            status, reply = post(url + "/v1/chat/completions", {"model": NAME, "messages": messages, "max_tokens": 2,
+                                                               "temperature": 0, "chat_template_kwargs": asked})
+            assert status == 200 and reply["usage"]["prompt_tokens"] == len(reference_ids(folder, messages, **(want | asked)))
+        stop(uv, server)
+    with pytest.raises(ValueError, match="'_x' 不能给"):
+        Server(NAME, default_chat_template_kwargs={"_x": 1}).ready(engine)
+    plain = Server(NAME)
+    plain.ready(Engine(load_model(folders["preserve"], dtype=torch.float32), None, slots=1, cache_mb=0))
+    assert plain.template_kwargs == {}  # 没有 generation_config.json：模板自己的默认

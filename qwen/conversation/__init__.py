@@ -7,6 +7,6 @@
 """
 
 from .prompt import Prompt, Rendered
-from .turns import Conversation, Resume, cut_point, generation_defaults
+from .turns import Conversation, Resume, cut_point, generation_defaults, template_defaults
 
-__all__ = ["Conversation", "Prompt", "Rendered", "Resume", "cut_point", "generation_defaults"]
+__all__ = ["Conversation", "Prompt", "Rendered", "Resume", "cut_point", "generation_defaults", "template_defaults"]

@@ -54,7 +54,7 @@ class Prompt:
 
     def render(self, messages, tools=None, chat_template_kwargs=None, add_generation_prompt=True) -> Rendered:
         """对话消息 → Rendered（ids 同 chat.encode(chat.prompt(…))，只是客户的文字里的控制记号是文字）。chat_template_kwargs：
-        交给模板的参数（check 先查）；没给 enable_thinking 时用模板自己的默认（发布的模板是不思考）。"""
+        交给模板的参数（check 先查）；没给 enable_thinking 时用模板自己的默认（发布的模板是思考：它只在 false 时放空的 <think>）。"""
         kwargs, chat = self.check(chat_template_kwargs), self.chat
         messages, tools = self.escape(messages), self.escape(tools)
         if self.template is not None:
@@ -63,7 +63,7 @@ class Prompt:
                     text_of(m["content"], i, count(1) if m.get("role") != "system" else None)
             text = self.template.render(messages, tools, add_generation_prompt, **kwargs)
         elif chat.templated:
-            text = build_prompt(messages, kwargs.get("enable_thinking", False), tools, add_generation_prompt,
+            text = build_prompt(messages, kwargs.get("enable_thinking", True), tools, add_generation_prompt,
                                 kwargs.get("add_vision_id", False))
         else:
             text = chat.prompt(messages)

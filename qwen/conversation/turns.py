@@ -49,6 +49,17 @@ def generation_defaults(path) -> dict:
     return out
 
 
+def template_defaults(path) -> dict:
+    """检查点的 generation_config.json 里的 default_chat_template_kwargs（vLLM 也读它）→ 交给对话模板的默认参数；没有时 {}。
+    服务在它之上叠 --default-chat-template-kwargs，再叠请求的 chat_template_kwargs；值由 Prompt.check 查。"""
+    file = Path(path) / "generation_config.json"
+    d = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}  # 坏的 JSON：generation_defaults 先说了
+    value = d.get("default_chat_template_kwargs") if isinstance(d, dict) else None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{file} 的 default_chat_template_kwargs 应为对象，收到 {type(value).__name__}")
+    return value or {}
+
+
 @dataclass
 class Resume:
     """读到某处的一份状态，从这里接着生成（多轮对话留下的、服务的前缀缓存里的）。tokens：已读过的 token；state：主模型

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ..chat import Chat
-from ..conversation import Prompt, generation_defaults
+from ..conversation import Prompt, generation_defaults, template_defaults
 from ..sampling.grammar import Grammars
 from ..sampling.logprobs import token_bytes
 from .access import Access, Guard
@@ -45,8 +45,9 @@ class Server:
     host：监听的地址（它也是合法的 Host）；allow_hosts / allow_origins：另外放行的 Host 名与 Origin（"*" 是全部）。"""
 
     def __init__(self, name: str, api_key=None, max_body=MAX_BODY, max_prompt=None, max_tokens=4096, host="127.0.0.1",
-                 allow_hosts=(), allow_origins=(), body_timeout=30.0, header_timeout=10.0):
+                 allow_hosts=(), allow_origins=(), body_timeout=30.0, header_timeout=10.0, default_chat_template_kwargs=None):
         self.name = name
+        self.given_template_kwargs = default_chat_template_kwargs or {}  # --default-chat-template-kwargs
         self.access = Access(api_key, host, allow_hosts, allow_origins)
         self.max_body = max_body
         self.max_prompt = max_prompt
@@ -57,6 +58,7 @@ class Server:
         self.chat = None
         self.prompt = None  # 对话消息的主人：用哪个模板、模板的参数、客户的文字只是文字（qwen/conversation/prompt.py）
         self.defaults = {}  # 检查点推荐的采样设置（generation_config.json）
+        self.template_kwargs = {}  # 交给模板的默认参数：检查点的 default_chat_template_kwargs，叠上 --default-chat-template-kwargs
         self.load_error = None
         self.closing = False
         self.tower = None  # 视觉塔（第 15 章）：第一个带图的请求来时才读
@@ -69,6 +71,7 @@ class Server:
         self.chat = Chat(engine.model)
         self.prompt = Prompt(self.chat)
         self.defaults = generation_defaults(self.chat.path)
+        self.template_kwargs = self.prompt.check(template_defaults(self.chat.path) | self.given_template_kwargs)
         self.max_prompt = self.max_prompt or engine.model.cfg.max_position_embeddings
         self.vocab_size = engine.model.cfg.vocab_size
         self.engine = engine

@@ -167,13 +167,13 @@ def chosen(choice) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def template_kwargs(body, prompt) -> dict:
-    """chat_template_kwargs → 交给模板的参数（Prompt.check 查：发布的模板只有 enable_thinking 与 add_vision_id；检查点自己的
-    模板收它读的参数，JSON 的值原样交给它；enable_thinking 没给时用模板自己的默认）。"""
+def template_kwargs(body, prompt, defaults: dict) -> dict:
+    """chat_template_kwargs（叠在服务的默认 defaults 之上）→ 交给模板的参数（Prompt.check 查：发布的模板只有 enable_thinking
+    与 add_vision_id；检查点自己的模板收它读的参数，JSON 的值原样交给它；enable_thinking 没给时用模板自己的默认）。"""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ApiError(400, f"chat_template_kwargs 应为对象，收到 {show(kwargs)}", "chat_template_kwargs")
     try:
-        return prompt.check(kwargs)
+        return prompt.check(defaults | (kwargs or {}))
     except ValueError as e:
         raise ApiError(400, f"chat_template_kwargs：{e}", "chat_template_kwargs") from None

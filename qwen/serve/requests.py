@@ -144,7 +144,7 @@ def chat_job(body, server) -> Job:
     check_common(body, CHAT_FIELDS, server.name)
     chat, prompt = server.chat, server.prompt
     messages, tools = check_messages(body.get("messages"), chat.templated), check_tools(body, chat.templated)
-    kwargs = template_kwargs(body, prompt)
+    kwargs = template_kwargs(body, prompt, server.template_kwargs)
     made = rendered(lambda: prompt.render(messages, tools, kwargs))  # 消息里写的控制记号只是文字
     opens, ids = made.thinks, made.ids  # 回答从推理开始
     grammar = tool_grammar(body, tools, server, opens) or response_grammar(body.get("response_format"), server, opens)
