@@ -218,10 +218,11 @@ def serve_main(args) -> None:
     """python -m qwen serve：OpenAI 兼容的服务（附录 qwen/serve）。"""
     args = allowed(args)
     try:
-        import fastapi  # noqa: F401  服务要的两个包：先查，别等到监听时才报 ModuleNotFoundError
+        import fastapi  # noqa: F401  服务要的包：先查，别等到监听时才报 ModuleNotFoundError
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        sys.exit(f"错误：服务要 FastAPI 与 uvicorn（{e.name} 没装）：pip install \"qwen[serve]\"，"
+        sys.exit(f"错误：服务要 FastAPI、uvicorn 与 prometheus-client（{e.name} 没装）：pip install \"qwen[serve]\"，"
                  f"在仓库里是 pip install -e \".[serve]\"")
     from .serve.api import serve
 

@@ -317,3 +317,47 @@ def test_completions_and_the_tool_call_reader(served):
     calls = reader.tool_calls()
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "北京", "days": 3}
+
+
+def scrape(url) -> dict:
+    """GET /metrics（Prometheus 的文本格式）→ {名字{标签}: 值}。"""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics") as r:
+        assert r.headers["content-type"].startswith("text/plain")
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def test_tokenize_metrics_and_the_api_page(served):
+    """/tokenize 的对话消息切出的 token 就是 chat completions 报的 prompt_tokens，一段文字的与 Chat.encode 相同；/detokenize
+    拼回文字；/metrics 的计数恰好走过这个请求的 token（读过的提示词、生成的、一个结束的请求、起草与接受）；/openapi.json
+    列出每个接口。坏的请求 400 说出字段。"""
+    from serving import get, post
+
+    client, engine, server, url = served
+    messages = [{"role": "user", "content": "介绍一下长江。"}]
+    status, tok = post(url + "/tokenize", {"model": NAME, "messages": messages})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == server.max_prompt
+    assert post(url + "/detokenize", {"tokens": tok["tokens"]}) == (200, {"prompt": server.chat.decode(tok["tokens"])})
+    text = "def add(a, b):"
+    assert post(url + "/tokenize", {"prompt": text})[1]["tokens"] == server.chat.encode(text)[0].tolist()
+    before = scrape(url)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    after = scrape(url)
+    moved = {k: after[k] - before.get(k, 0) for k in after if not k.startswith("qwen:num_requests")}
+    assert r.usage.prompt_tokens == tok["count"] and r.usage.completion_tokens == moved["qwen:generation_tokens_total"] > 0
+    assert moved["qwen:prompt_tokens_total"] == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert moved['qwen:request_success_total{finished_reason="length"}'] + moved.get(
+        'qwen:request_success_total{finished_reason="stop"}', 0) == 1
+    assert moved["qwen:time_to_first_token_seconds_count"] == 1 and moved["qwen:spec_decode_num_draft_tokens_total"] > 0
+    assert after["qwen:num_requests_running"] == after["qwen:num_requests_waiting"] == 0
+    assert moved["qwen:spec_decode_num_accepted_tokens_total"] <= moved["qwen:spec_decode_num_draft_tokens_total"]
+    paths = get(url + "/openapi.json")[1]["paths"]
+    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/metrics", "/v1/models"} <= set(paths)
+    for body, field in [({"messages": messages, "prompt": "x"}, "prompt"), ({"prompt": ""}, "prompt"),
+                        ({"messages": "x"}, "messages")]:
+        status, reply = post(url + "/tokenize", body)
+        assert status == 400 and reply["error"]["param"] == field, reply
+    status, reply = post(url + "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and reply["error"]["param"] == "tokens"

@@ -125,7 +125,7 @@ def test_text_parts_and_several_turns_on_both_checkpoints(either):
 def test_unknown_paths_and_methods_get_openai_errors(either):
     _, _, _, url = either
     for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/chat/completions", 405),
-                                 ("POST", "/v1/models", 405), ("GET", "/docs", 404)):
+                                 ("POST", "/v1/models", 405), ("GET", "/redoc", 404)):
         code, _, body = request(method, url + path, {"content-type": "application/json"})
         assert code == status and set(body["error"]) == {"message", "type", "param", "code"}, (method, path, body)
 

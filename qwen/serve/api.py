@@ -2,8 +2,9 @@
 
     python -m qwen serve --model PATH|demo [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--allow-origin URL]
 
-GET /health（加载时 503，之后 200）、GET /v1/models、POST /v1/chat/completions、POST /v1/completions。这一页只有应用本身：
-Server（加载、关闭、读请求体）与四个接口；别的按一件事一个文件：
+GET /health（加载时 503，之后 200）、GET /v1/models、POST /v1/chat/completions、POST /v1/completions；给运维的 GET /metrics
+（metrics.py）、POST /tokenize 与 /detokenize（tokenize.py），GET /docs 是 FastAPI 的接口页。这一页只有应用本身：
+Server（加载、关闭、读请求体）与各个接口；别的按一件事一个文件：
 - access.py：Host、Origin、Content-Type 的防线与 API key（最外层的中间件 Guard）；
 - body.py、messages.py、requests.py：请求体 → 查过的 Job（引擎的 Request 与读回文字的 Reader），坏的一律 4xx，OpenAI 的
   错误体（errors.py），404、405 与意料之外的 500 也是；
@@ -19,7 +20,8 @@ import threading
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -33,11 +35,14 @@ from ..vision import VisionTower
 from .engine import Closed, Request, in_own_team
 from .errors import ApiError, engine_error
 from .listen import uvicorn_server
+from .metrics import Metrics
 from .requests import Job, chat_job, completion_job
 from .sse import Reply
+from .tokenize import detokenize, tokenize
 
 MAX_BODY = 20 << 20  # 请求体默认至多 20 MB：带图的请求是 base64 的 data: URL（OpenAI 一张图收到 20 MB）
-ROUTES = "GET /health、GET /v1/models、POST /v1/chat/completions、POST /v1/completions"
+ROUTES = ("GET /health、GET /metrics、GET /v1/models、POST /v1/chat/completions、POST /v1/completions、POST /tokenize、"
+          "POST /detokenize、GET /docs")
 
 
 class Server:
@@ -72,6 +77,7 @@ class Server:
         self.prompt = Prompt(self.chat)
         self.defaults = generation_defaults(self.chat.path)
         self.template_kwargs = self.prompt.check(template_defaults(self.chat.path) | self.given_template_kwargs)
+        engine.metrics = Metrics(engine)  # 引擎记下每个请求的 token、延迟与草稿；GET /metrics 读它
         self.max_prompt = self.max_prompt or engine.model.cfg.max_position_embeddings
         self.vocab_size = engine.model.cfg.vocab_size
         self.engine = engine
@@ -178,6 +184,24 @@ async def completions(http: HttpRequest):
     return await answer(http, server, completion_job(await server.read_body(http), server))
 
 
+async def tokenize_route(http: HttpRequest):
+    server = http.app.state.server
+    body = await server.read_body(http)
+    return await asyncio.to_thread(tokenize, body, server)  # 带图的消息要视觉塔：在线程里
+
+
+async def detokenize_route(http: HttpRequest):
+    server = http.app.state.server
+    return detokenize(await server.read_body(http), server)
+
+
+async def metrics(http: HttpRequest):
+    """Prometheus 的文本格式（metrics.py）；加载完之前是空的。不要 key（同 vLLM）：抓取的一方通常不带。"""
+    engine = http.app.state.server.engine
+    text = engine.metrics.text() if engine is not None and engine.metrics is not None else b""
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
 async def answer(http, server: Server, job: Job):
     """交给引擎，再回答：流式的一块块 SSE，否则等整个回答体。Reply 先接好 token 的去处，再提交。"""
     reply = Reply(job, server.name)
@@ -194,15 +218,16 @@ async def answer(http, server: Server, job: Job):
 
 def create_app(server: Server) -> FastAPI:
     """FastAPI 应用：最外层是 Guard（access.py），放行的网页要读得到回答时再加 CORS，然后是四个接口与错误体。"""
-    app = FastAPI(title="qwen", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="qwen", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.server = server
     if server.access.allow_origins:  # 放行的网页要读得到回答：CORS 的预检与响应头
         app.add_middleware(CORSMiddleware, allow_origins=sorted(server.access.allow_origins),
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
     app.add_middleware(Guard, access=server.access)
-    for method, path, endpoint in (("GET", "/health", health), ("GET", "/v1/models", models),
+    for method, path, endpoint in (("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
                                    ("POST", "/v1/chat/completions", chat_completions),
-                                   ("POST", "/v1/completions", completions)):
+                                   ("POST", "/v1/completions", completions), ("POST", "/tokenize", tokenize_route),
+                                   ("POST", "/detokenize", detokenize_route)):
         app.add_api_route(path, endpoint, methods=[method])
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)

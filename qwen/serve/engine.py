@@ -16,6 +16,7 @@
 
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -55,6 +56,8 @@ class Request:
     prompt_logprobs: list | None = None  # echo 时：提示词每个位置的 Token（qwen/sampling/logprobs.py 的 prompt_logprobs）
     finish_reason: str | None = None
     error: Exception | None = None
+    submitted: float = 0.0  # 提交的时刻（time.monotonic()）：第一个 token 的延迟从它算起
+    run: object = None  # 投机解码时这次的第 14 章 Run（起草、接受的统计）
     wake: object = field(default=None, repr=False)  # 引擎设的：cancel() 时叫醒排队的请求
 
     def cancel(self):
@@ -91,13 +94,14 @@ class Engine:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # 有位置空出来、有请求取消了
         self.closed = False
+        self.metrics = None  # 服务的指标（metrics.py 的 Metrics，Server.ready 接上）：None 时不记
 
     def submit(self, request: Request) -> Request:
         """排进队列，开一个线程跑它（max_tokens 不对时 ValueError；采样的设置建 Sampling 时已经查过）。关闭之后 Closed。"""
         if not isinstance(request.sampling, Sampling):
             raise ValueError(f"request.sampling 应为一个 Sampling，收到 {request.sampling!r}")
         Sampling.check("max_new_tokens", request.max_tokens)
-        request.wake = self.wake
+        request.wake, request.submitted = self.wake, time.monotonic()
         with self.lock:
             if self.closed:
                 raise Closed("服务正在关闭：不再接新的请求")
@@ -139,6 +143,8 @@ class Engine:
         finally:
             if request.finish_reason == "cancelled" and self.closed and request.error is None:
                 request.error = Closed("服务正在关闭：这个请求没有生成完")
+            if self.metrics is not None:  # 放下最后的 None 之前记下：读完回答再抓取的，数已经动过了
+                self.metrics.done(request, request.run)
             request.out.put(None)
             if self.batcher is not None:
                 torch.set_num_threads(self.threads)  # 全进程的那个数（见 use_threads）放回原样：这个线程马上就结束了
@@ -206,7 +212,7 @@ class Engine:
             return
         greedy = request.sampling.temperature == 0  # 贪心：起不起草都是同样的 token，草稿数可以随批的大小变
         ids, images, begin = request.ids, request.images, len(resume.tokens)
-        tokens, _ = resume.generate(self.model, self.mtp, ids[begin:], request.max_tokens, request.stop, request.sampling,
+        tokens, request.run = resume.generate(self.model, self.mtp, ids[begin:], request.max_tokens, request.stop, request.sampling,
                                     cost_now=self.draft_cost_now if greedy else None,
                                     images=images and images.part(ids, begin, len(ids)))
         for t in tokens:
@@ -215,6 +221,8 @@ class Engine:
                 return
             if request.sampling.logprobs is not None:  # 要对数概率时 t 是第 12 章的 Token：它带着自己的
                 request.logprobs.append(t)
+            if not request.tokens and self.metrics is not None:
+                self.metrics.first_token(request.submitted)
             request.tokens.append(t)
             request.out.put(t)
         stopped = request.tokens and request.tokens[-1] in request.stop

@@ -138,23 +138,40 @@ def request(ids, body, server, keep=None, images=None, grammar=None, top=None) -
     return Request(ids, limit, server.chat.stop, s, keep, images=images)
 
 
+@dataclass
+class ChatPrompt:
+    """查过、渲染好的对话提示词：token（图的占位已展开）、其中的图、是否从推理开始，与渲染它的消息、工具、模板参数。"""
+    ids: list
+    images: object
+    thinks: bool
+    messages: list
+    tools: list | None
+    kwargs: dict
+
+
+def chat_prompt(body, server) -> ChatPrompt:
+    """请求体的 messages、tools、chat_template_kwargs → ChatPrompt（Prompt.render；带图时视觉塔看图）。chat completions、
+    /tokenize 都走这里：同样的消息，同样的 token。"""
+    prompt = server.prompt
+    messages, tools = check_messages(body.get("messages"), server.chat.templated), check_tools(body, server.chat.templated)
+    kwargs = template_kwargs(body, prompt, server.template_kwargs)
+    made = rendered(lambda: prompt.render(messages, tools, kwargs))  # 消息里写的控制记号只是文字
+    images = rendered(lambda: server.see(made.pictures, server.max_prompt - made.ids.shape[1] - 1)) if made.pictures else None
+    ids = (images.expand(made.ids) if images is not None else made.ids)[0].tolist()
+    return ChatPrompt(ids, images, made.thinks, messages, tools, kwargs)
+
+
 def chat_job(body, server) -> Job:
     """POST /v1/chat/completions 的请求体 → Job。引擎在最后一个用户问题的末尾留一份状态（cut_point）。回答是不是从推理开始
     看渲染出的提示词（模板以没合上的 <think> 结尾：Rendered.thinks），与 enable_thinking 给没给、模板默认什么无关。"""
     check_common(body, CHAT_FIELDS, server.name)
-    chat, prompt = server.chat, server.prompt
-    messages, tools = check_messages(body.get("messages"), chat.templated), check_tools(body, chat.templated)
-    kwargs = template_kwargs(body, prompt, server.template_kwargs)
-    made = rendered(lambda: prompt.render(messages, tools, kwargs))  # 消息里写的控制记号只是文字
-    opens, ids = made.thinks, made.ids  # 回答从推理开始
-    grammar = tool_grammar(body, tools, server, opens) or response_grammar(body.get("response_format"), server, opens)
-    images = rendered(lambda: server.see(made.pictures, server.max_prompt - ids.shape[1] - 1)) if made.pictures else None
-    ids = (images.expand(ids) if images is not None else ids)[0].tolist()
+    p = chat_prompt(body, server)
+    grammar = tool_grammar(body, p.tools, server, p.thinks) or response_grammar(body.get("response_format"), server, p.thinks)
     keep = None
-    if any(m["role"] == "user" for m in messages):
-        keep = rendered(lambda: cut_point(prompt, messages, tools, ids, images, kwargs))
-    requests = copies(request(ids, body, server, keep, images, grammar, chat_logprobs(body)), body)
-    readers = [Reader(chat.tk, opens, stops(body), tools is not None) for _ in requests]
+    if any(m["role"] == "user" for m in p.messages):
+        keep = rendered(lambda: cut_point(server.prompt, p.messages, p.tools, p.ids, p.images, p.kwargs))
+    requests = copies(request(p.ids, body, server, keep, p.images, grammar, chat_logprobs(body)), body)
+    readers = [Reader(server.chat.tk, p.thinks, stops(body), p.tools is not None) for _ in requests]
     pieces = server.token_bytes() if requests[0].sampling.logprobs is not None else None
     return Job(requests, readers, *stream_flags(body), chat=True, pieces=pieces)
 
