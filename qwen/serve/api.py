@@ -3,7 +3,8 @@
     python -m qwen serve --model PATH|demo [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--allow-origin URL]
 
 GET /health（加载时 503，之后 200）、GET /v1/models、POST /v1/chat/completions、POST /v1/completions；给运维的 GET /metrics
-（metrics.py）、POST /tokenize 与 /detokenize（tokenize.py），GET /docs 是 FastAPI 的接口页。这一页只有应用本身：
+（metrics.py）、POST /tokenize 与 /detokenize（tokenize.py），Anthropic 的 POST /v1/messages 与 count_tokens（anthropic.py），
+GET /docs 是 FastAPI 的接口页。这一页只有应用本身：
 Server（加载、关闭、读请求体）与各个接口；别的按一件事一个文件：
 - access.py：Host、Origin、Content-Type 的防线与 API key（最外层的中间件 Guard）；
 - body.py、messages.py、requests.py：请求体 → 查过的 Job（引擎的 Request 与读回文字的 Reader），坏的一律 4xx，OpenAI 的
@@ -29,6 +30,7 @@ from ..chat import Chat
 from ..conversation import Prompt, generation_defaults, template_defaults
 from ..sampling.grammar import Grammars
 from ..sampling.logprobs import token_bytes
+from . import anthropic
 from .access import Access, Guard
 from .body import parse_json
 from ..vision import VisionTower
@@ -41,8 +43,8 @@ from .sse import Reply
 from .tokenize import detokenize, tokenize
 
 MAX_BODY = 20 << 20  # 请求体默认至多 20 MB：带图的请求是 base64 的 data: URL（OpenAI 一张图收到 20 MB）
-ROUTES = ("GET /health、GET /metrics、GET /v1/models、POST /v1/chat/completions、POST /v1/completions、POST /tokenize、"
-          "POST /detokenize、GET /docs")
+ROUTES = ("GET /health、GET /metrics、GET /v1/models、POST /v1/chat/completions、POST /v1/completions、POST /v1/messages、"
+          "POST /v1/messages/count_tokens、POST /tokenize、POST /detokenize、GET /docs")
 
 
 class Server:
@@ -112,9 +114,10 @@ class Server:
         if self.engine is not None:
             self.engine.close()
 
-    async def read_body(self, http) -> dict:
-        """验过 key 之后边读边数请求体：超过 max_body 就 413（不必等它读完），body_timeout 秒读不完就 408。"""
-        self.access.authorize(http.headers.get("authorization"))
+    async def read_body(self, http, authorization: str | None = None) -> dict:
+        """验过 key（authorization：另给的 Authorization 头，Anthropic 的 x-api-key 换成它）之后边读边数请求体：超过 max_body
+        就 413（不必等它读完），body_timeout 秒读不完就 408。"""
+        self.access.authorize(authorization or http.headers.get("authorization"))
         if self.engine is None or self.closing:
             raise ApiError(503, "服务正在关闭" if self.closing else "模型还在加载" if self.load_error is None
                            else f"模型加载失败：{self.load_error}")
@@ -227,6 +230,7 @@ def create_app(server: Server) -> FastAPI:
     for method, path, endpoint in (("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
                                    ("POST", "/v1/chat/completions", chat_completions),
                                    ("POST", "/v1/completions", completions), ("POST", "/tokenize", tokenize_route),
+                                   ("POST", "/v1/messages", anthropic.messages), ("POST", "/v1/messages/count_tokens", anthropic.count_tokens),
                                    ("POST", "/detokenize", detokenize_route)):
         app.add_api_route(path, endpoint, methods=[method])
     app.add_exception_handler(ApiError, api_error)

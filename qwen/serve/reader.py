@@ -27,6 +27,7 @@ class Reader:
         self.content = ""
         self.calls_text = ""  # <tool_call> 之后的文字：最后一起解析
         self.stopped = False
+        self.matched = None  # 命中的停止字符串（Anthropic 的 stop_sequence）
 
     def feed(self, token=None, final=False):
         """再来一个 token（final：结束了，交出剩下的）→ 这次可以发出的 (reasoning 片段, content 片段)。"""
@@ -36,6 +37,7 @@ class Reader:
             if at >= 0:
                 self.pending = self.pending[:at]
                 self.stopped = final = True
+                self.matched = s
         reasoning = content = ""
         if self.in_reasoning:
             at = self.pending.find("</think>")
