@@ -4,7 +4,7 @@
 
 GET /health（加载时 503，之后 200）、GET /v1/models、POST /v1/chat/completions、POST /v1/completions；给运维的 GET /metrics
 （metrics.py）、POST /tokenize 与 /detokenize（tokenize.py），Anthropic 的 POST /v1/messages 与 count_tokens（anthropic.py），
-GET /docs 是 FastAPI 的接口页。这一页只有应用本身：
+OpenAI 的 POST /v1/responses（responses.py），GET /docs 是 FastAPI 的接口页。这一页只有应用本身：
 Server（加载、关闭、读请求体）与各个接口；别的按一件事一个文件：
 - access.py：Host、Origin、Content-Type 的防线与 API key（最外层的中间件 Guard）；
 - body.py、messages.py、requests.py：请求体 → 查过的 Job（引擎的 Request 与读回文字的 Reader），坏的一律 4xx，OpenAI 的
@@ -30,7 +30,7 @@ from ..chat import Chat
 from ..conversation import Prompt, generation_defaults, template_defaults
 from ..sampling.grammar import Grammars
 from ..sampling.logprobs import token_bytes
-from . import anthropic
+from . import anthropic, responses
 from .access import Access, Guard
 from .body import parse_json
 from ..vision import VisionTower
@@ -44,7 +44,7 @@ from .tokenize import detokenize, tokenize
 
 MAX_BODY = 20 << 20  # 请求体默认至多 20 MB：带图的请求是 base64 的 data: URL（OpenAI 一张图收到 20 MB）
 ROUTES = ("GET /health、GET /metrics、GET /v1/models、POST /v1/chat/completions、POST /v1/completions、POST /v1/messages、"
-          "POST /v1/messages/count_tokens、POST /tokenize、POST /detokenize、GET /docs")
+          "POST /v1/messages/count_tokens、POST /v1/responses、POST /tokenize、POST /detokenize、GET /docs")
 
 
 class Server:
@@ -231,6 +231,7 @@ def create_app(server: Server) -> FastAPI:
                                    ("POST", "/v1/chat/completions", chat_completions),
                                    ("POST", "/v1/completions", completions), ("POST", "/tokenize", tokenize_route),
                                    ("POST", "/v1/messages", anthropic.messages), ("POST", "/v1/messages/count_tokens", anthropic.count_tokens),
+                                   ("POST", "/v1/responses", responses.responses),
                                    ("POST", "/detokenize", detokenize_route)):
         app.add_api_route(path, endpoint, methods=[method])
     app.add_exception_handler(ApiError, api_error)
