@@ -141,3 +141,20 @@ def test_an_image_to_a_checkpoint_without_a_tower(seen, tmp_path):
         assert code == 200, reply
     finally:
         stop(uv, server, keep_engine=False)
+
+
+def test_an_image_through_the_anthropic_and_responses_apis(seen):
+    """同一张图、同一个问题：Anthropic 的 image 块（base64）与 Responses 的 input_image（data: URL）的贪心回答与提示词
+    token 数，都与 chat completions 的相同。"""
+    anthropic = pytest.importorskip("anthropic")
+    client, _, _, url = seen
+    image = data_url(4)
+    want = client.chat.completions.create(model=NAME, messages=image_message(image), max_tokens=8, temperature=0)
+    media, _, data = image[len("data:"):].partition(";base64,")
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}, {"type": "text", "text": "图里有什么？"}]
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    got = claude.messages.create(model="x", max_tokens=8, messages=[{"role": "user", "content": blocks}])
+    assert got.content[0].text == want.choices[0].message.content and got.usage.input_tokens == want.usage.prompt_tokens
+    parts = [{"type": "input_image", "image_url": image}, {"type": "input_text", "text": "图里有什么？"}]
+    r = client.responses.create(model=NAME, input=[{"role": "user", "content": parts}], max_output_tokens=8, temperature=0)
+    assert r.output_text == want.choices[0].message.content and r.usage.input_tokens == want.usage.prompt_tokens
