@@ -53,7 +53,8 @@ def test_text_answers_equal_chat_completions(served):
                                 {"role": "assistant", "content": "长江很长。"}, {"role": "user", "content": "再说一句"}], max_tokens=12)
     got = client.messages.create(model="claude-whatever", max_tokens=12, system=system, messages=turns)
     assert [b.type for b in got.content] == ["text"] and got.content[0].text == want.choices[0].message.content
-    assert got.usage.input_tokens == want.usage.prompt_tokens and got.usage.output_tokens == want.usage.completion_tokens
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == want.usage.prompt_tokens  # 接着读的另算
+    assert got.usage.output_tokens == want.usage.completion_tokens
     assert got.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.choices[0].finish_reason]
     assert client.messages.count_tokens(model="x", system=system, messages=turns).input_tokens == want.usage.prompt_tokens
     blocks, reason, made = streamed_blocks(client, model="x", max_tokens=12, system=system, messages=turns)
@@ -85,7 +86,7 @@ def test_a_tool_call_and_its_result(served):
         {"id": uses[0].id, "type": "function", "function": {"name": uses[0].name, "arguments": json.dumps(uses[0].input, ensure_ascii=False)}}]},
         {"role": "tool", "tool_call_id": uses[0].id, "content": "晴"}], max_tokens=10, tools=[{"type": "function", "function": {
             "name": "get_weather", "description": "查天气", "parameters": TOOLS[0]["input_schema"]}}])
-    assert then.usage.input_tokens == plain.usage.prompt_tokens
+    assert then.usage.input_tokens + then.usage.cache_read_input_tokens == plain.usage.prompt_tokens
     assert "".join(b.text for b in then.content if b.type == "text") == (plain.choices[0].message.content or "")
 
 
@@ -101,8 +102,13 @@ def test_thinking_blocks(served):
     assert got.content[0].type == "thinking" and got.content[0].thinking == want.choices[0].message.reasoning_content
     assert "".join(b.text for b in got.content if b.type == "text") == (want.choices[0].message.content or "")
     plain = client.messages.create(model="x", max_tokens=4, messages=ask, thinking={"type": "disabled"})
-    assert plain.usage.input_tokens == client.messages.create(model="x", max_tokens=4, messages=ask).usage.input_tokens
-    assert plain.usage.input_tokens != got.usage.input_tokens and all(b.type != "thinking" for b in plain.content)
+    assert plain.usage.input_tokens + plain.usage.cache_read_input_tokens == client.messages.count_tokens(
+        model="x", messages=ask, thinking={"type": "disabled"}).input_tokens
+    with client.messages.stream(model="x", max_tokens=30, messages=ask, thinking={"type": "enabled", "budget_tokens": 1024}) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].signature == "" and final.content[0].thinking == got.content[0].thinking
+    total = lambda r: r.usage.input_tokens + r.usage.cache_read_input_tokens  # noqa: E731
+    assert total(plain) != total(got) and all(b.type != "thinking" for b in plain.content)
 
 
 def test_errors_are_anthropic_errors(served):
@@ -120,5 +126,13 @@ def test_errors_are_anthropic_errors(served):
         status, reply = post(url + "/v1/messages", body)
         assert status == 400 and reply["type"] == "error" and field in reply["error"]["message"], reply
     odd = [{"role": "user", "content": [{"type": "document", "source": {}}, {"type": "text", "text": "你好"}]}]
-    assert client.messages.create(model="x", max_tokens=2, messages=odd).usage.input_tokens == \
-        client.messages.create(model="x", max_tokens=2, messages=[{"role": "user", "content": "你好"}]).usage.input_tokens
+    assert client.messages.count_tokens(model="x", messages=odd).input_tokens == \
+        client.messages.count_tokens(model="x", messages=[{"role": "user", "content": "你好"}]).input_tokens
+    big = client.messages.create(model="x", max_tokens=10**6, messages=[{"role": "user", "content": "你好"}])  # 只是上限
+    assert big.stop_reason in ("end_turn", "max_tokens") and big.usage.output_tokens > 0
+    for body, field in [({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages[0]"),
+                        ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice"),
+                        ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                          "content": [{"type": "image", "source": {}}]}]}]}, "messages[0]")]:
+        status, reply = post(url + "/v1/messages", body)
+        assert status == 400 and field in reply["error"]["message"], reply

@@ -86,9 +86,30 @@ def test_structured_output_and_reasoning(served):
 
 
 def test_bad_requests_name_the_field(served):
-    _, _, _, url = served
+    """坏的请求 400，param 是这个接口的字段名；Codex 发的 parallel_tool_calls: false、client_metadata 收下；max_output_tokens
+    只是上限（超出服务的上限也照样回答）。"""
+    client, _, _, url = served
+    r = client.responses.create(model=NAME, input="你好", parallel_tool_calls=False, max_output_tokens=10**6,
+                                extra_body={"client_metadata": {"x": 1}})
+    assert r.usage.output_tokens > 0
     for body, field in [({"input": []}, "input"), ({"input": [{"type": "nonsense"}]}, "input[0]"),
                         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-                        ({"input": "hi", "frobnicate": 1}, "frobnicate"), ({"input": "hi", "max_output_tokens": 0}, "max_tokens")]:
+                        ({"input": "hi", "frobnicate": 1}, "frobnicate"), ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0]")]:
         status, reply = post(url + "/v1/responses", {"model": NAME} | body)
         assert status == 400 and reply["error"]["param"] == field, (body, reply)
+
+
+def test_history_items_become_the_turns_they_were():
+    """推理、正文、两个调用是同一个助手轮（Codex 送回历史就是这样排的）；工具结果的分段列表是文字；instructions 在最前。"""
+    from qwen.serve.responses import messages_of
+
+    items = [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "想"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "好"}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "晴"}]}]
+    out = messages_of({"input": items, "instructions": "sys"})
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "tool"] and out[0]["content"] == "sys"
+    assert out[2]["reasoning_content"] == "想" and [c["id"] for c in out[2]["tool_calls"]] == ["c1", "c2"]
+    assert out[3] == {"role": "tool", "tool_call_id": "c1", "content": "晴"}

@@ -35,11 +35,12 @@ IGNORED = {"metadata", "service_tier", "container", "context_management", "mcp_s
 ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+FIELD_NAMES = {"stop": "stop_sequences", "response_format": "output_config"}  # chat completions 的字段 → 这里的名字
 
 
 def error_body(e: ApiError) -> dict:
     """我们的 ApiError → Anthropic 的错误体（说明里带上是哪个字段）。"""
-    param = e.body["error"].get("param")
+    param = FIELD_NAMES.get(e.body["error"].get("param"), e.body["error"].get("param"))
     message = e.body["error"]["message"] + (f"（{param}）" if param and param not in e.body["error"]["message"] else "")
     return {"type": "error", "error": {"type": ERRORS.get(e.status, "api_error"), "message": message}}
 
@@ -50,7 +51,10 @@ def text_of(blocks, field: str) -> str:
         return blocks
     if not isinstance(blocks, list):
         raise ApiError(400, f"{field} 应为字符串或内容块的列表，收到 {show(blocks)}", field)
-    return "".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+    texts = [b for b in blocks if isinstance(b, dict) and b.get("type") in ("text", "image")]
+    if any(b["type"] == "image" or not isinstance(b.get("text"), str) for b in texts):
+        raise ApiError(400, f"{field} 的块应为有 text 字符串的 text 块（这里的图还不支持）", field)
+    return "".join(b["text"] for b in texts)
 
 
 def image_part(block, field: str) -> dict:
@@ -76,7 +80,7 @@ def turn(m, i: int) -> list:
     for b in [b for b in blocks if isinstance(b, dict)]:
         kind = b.get("type")
         if kind == "text":
-            parts.append({"type": "text", "text": b.get("text") if isinstance(b.get("text"), str) else ""})
+            parts.append({"type": "text", "text": text_of([b], field)})
         elif kind == "image":
             parts.append(image_part(b, field))
         elif kind == "tool_use" and m["role"] == "assistant":
@@ -99,6 +103,8 @@ def tools_of(body) -> dict:
     if choice is not None and kind not in ("auto", "any", "tool", "none"):
         raise ApiError(400, f"tool_choice 应为 {{type: auto、any、tool（带 name）或 none}}，收到 {show(choice)}", "tool_choice")
     if tools is None:
+        if kind in ("any", "tool"):
+            raise ApiError(400, f"tool_choice {kind} 要与 tools 一起给", "tool_choice")
         return out
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise ApiError(400, f"tools 应为 {{name, description, input_schema}} 的列表，收到 {show(tools)}", "tools")
@@ -158,13 +164,17 @@ def stop_reason(reply: Reply) -> tuple:
     return STOP_REASONS.get(reason, "end_turn"), None
 
 
+def usage(reply: Reply, output_tokens: int) -> dict:
+    """Anthropic 的 usage：input_tokens 不含从留下的状态接着读的（那些是 cache_read_input_tokens，两者之和是提示词）。"""
+    request = reply.choices[0].request
+    return {"input_tokens": len(request.ids) - request.cached_tokens, "output_tokens": output_tokens,
+            "cache_read_input_tokens": request.cached_tokens, "cache_creation_input_tokens": 0}
+
+
 def message(reply: Reply, name: str, content: list, output_tokens: int) -> dict:
     reason, sequence = stop_reason(reply) if content is not None else (None, None)
-    request = reply.choices[0].request
     return {"id": "msg_" + reply.id.split("-")[-1], "type": "message", "role": "assistant", "model": name,
-            "content": content or [], "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": len(request.ids), "output_tokens": output_tokens,
-                      "cache_read_input_tokens": request.cached_tokens}}
+            "content": content or [], "stop_reason": reason, "stop_sequence": sequence, "usage": usage(reply, output_tokens)}
 
 
 async def messages(http: HttpRequest):
@@ -172,7 +182,7 @@ async def messages(http: HttpRequest):
     server = http.app.state.server
     try:
         body = await server.read_body(http, key(http))
-        job = await asyncio.to_thread(lambda: chat_job(to_chat(body, server), server))
+        job = await asyncio.to_thread(lambda: chat_job(to_chat(body, server), server, ceiling=True))
         reply = Reply(job, server.name)
         server.submit(job.requests[0])
     except ApiError as e:
@@ -209,7 +219,7 @@ def event(kind: str, data: dict) -> str:
 
 async def events(reply: Reply, name: str):
     """流式：Anthropic 的事件。思考与正文各是一个块（先思考后正文），工具调用各一个 tool_use 块，参数一次 input_json_delta。"""
-    c, index, open_kind, made = reply.choices[0], -1, None, 0
+    c, index, open_kind, sent = reply.choices[0], -1, None, ""
     try:
         yield event("message_start", {"message": message(reply, name, None, 0)})
         yield event("ping", {})
@@ -221,11 +231,20 @@ async def events(reply: Reply, name: str):
                     if open_kind is not None:
                         yield event("content_block_stop", {"index": index})
                     index, open_kind = index + 1, kind
-                    yield event("content_block_start", {"index": index, "content_block": {"type": kind, kind: ""}})
+                    block = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
+                    yield event("content_block_start", {"index": index, "content_block": block})
                 yield event("content_block_delta", {"index": index, "delta": {"type": f"{kind}_delta", kind: text}})
+                sent += text if kind == "text" else ""
+        calls, _ = reply.finish(c)
+        if rest := c.reader.content[len(sent):]:  # 写坏了的工具调用并回了正文：同非流式的一样发出去
+            if open_kind != "text":
+                if open_kind is not None:
+                    yield event("content_block_stop", {"index": index})
+                index, open_kind = index + 1, "text"
+                yield event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": rest}})
         if open_kind is not None:
             yield event("content_block_stop", {"index": index})
-        calls, _ = reply.finish(c)
         for call in calls:
             index += 1
             start = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
@@ -233,9 +252,9 @@ async def events(reply: Reply, name: str):
             yield event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                          "partial_json": call["function"]["arguments"]}})
             yield event("content_block_stop", {"index": index})
-        made = len(c.request.tokens)
         reason, sequence = stop_reason(reply)
-        yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": {"output_tokens": made}})
+        yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                      "usage": usage(reply, len(c.request.tokens))})
         yield event("message_stop", {})
     except Exception as e:  # 已经开始流式发送：错误作为一个 error 事件
         yield event("error", error_body(engine_error(e)))

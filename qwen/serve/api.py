@@ -225,7 +225,8 @@ def create_app(server: Server) -> FastAPI:
     app.state.server = server
     if server.access.allow_origins:  # 放行的网页要读得到回答：CORS 的预检与响应头
         app.add_middleware(CORSMiddleware, allow_origins=sorted(server.access.allow_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
+                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type", "x-api-key",
+                                                                            "anthropic-version", "anthropic-beta"])
     app.add_middleware(Guard, access=server.access)
     for method, path, endpoint in (("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
                                    ("POST", "/v1/chat/completions", chat_completions),

@@ -128,8 +128,9 @@ class Engine:
     def run(self, request: Request):
         if self.batcher is not None:  # 矩阵乘法都在 RowBatcher 的线程上：请求线程不开自己的一队 OpenMP 帮手线程（见 in_own_team）
             use_threads(1)
+        admitted = False
         try:
-            if not self.admit(request):
+            if not (admitted := self.admit(request)):
                 request.finish_reason = "cancelled"
                 return
             try:
@@ -143,7 +144,7 @@ class Engine:
         finally:
             if request.finish_reason == "cancelled" and self.closed and request.error is None:
                 request.error = Closed("服务正在关闭：这个请求没有生成完")
-            if self.metrics is not None:  # 放下最后的 None 之前记下：读完回答再抓取的，数已经动过了
+            if self.metrics is not None and admitted:  # 放下最后的 None 之前记下：读完回答再抓取的，数已经动过了
                 self.metrics.done(request, request.run)
             request.out.put(None)
             if self.batcher is not None:

@@ -125,11 +125,14 @@ def sampling(body, defaults: dict) -> Sampling:
     return Sampling(**(defaults | {k: v for k, v in given.items() if v is not None}))
 
 
-def request(ids, body, server, keep=None, images=None, grammar=None, top=None) -> Request:
+def request(ids, body, server, keep=None, images=None, grammar=None, top=None, ceiling=False) -> Request:
     """提示词的 token 与请求体 → 引擎的 Request。server：api.py 的 Server（defaults、max_tokens、max_prompt、chat）；
-    grammar：response_format 的文法（只许合乎它的 token）；top：要对数概率时每个 token 另带几个（None：不要）。"""
+    grammar：response_format 的文法（只许合乎它的 token）；top：要对数概率时每个 token 另带几个（None：不要）；
+    ceiling：max_tokens 只是上限（Anthropic、Responses 的意思）：超出服务的上限或上下文时截到能写的，而不是 400。"""
     s = Sampling.of(sampling(body, server.defaults), grammar=grammar, logit_bias=logit_bias(body, server.vocab_size), logprobs=top)
     longest = number(body, "max_completion_tokens", 1, server.max_tokens, integer=True)
+    if ceiling and type(body.get("max_tokens")) is int and body["max_tokens"] > 0:  # 只是上限：截到服务与上下文能写的
+        body = body | {"max_tokens": max(min(body["max_tokens"], server.max_tokens, server.max_prompt - len(ids)), 1)}
     limit = number(body, "max_tokens", 1, server.max_tokens, integer=True)
     limit = longest or limit or min(512, server.max_tokens)
     if len(ids) + limit > server.max_prompt:
@@ -161,7 +164,7 @@ def chat_prompt(body, server) -> ChatPrompt:
     return ChatPrompt(ids, images, made.thinks, messages, tools, kwargs)
 
 
-def chat_job(body, server) -> Job:
+def chat_job(body, server, ceiling: bool = False) -> Job:
     """POST /v1/chat/completions 的请求体 → Job。引擎在最后一个用户问题的末尾留一份状态（cut_point）。回答是不是从推理开始
     看渲染出的提示词（模板以没合上的 <think> 结尾：Rendered.thinks），与 enable_thinking 给没给、模板默认什么无关。"""
     check_common(body, CHAT_FIELDS, server.name)
@@ -170,7 +173,7 @@ def chat_job(body, server) -> Job:
     keep = None
     if any(m["role"] == "user" for m in p.messages):
         keep = rendered(lambda: cut_point(server.prompt, p.messages, p.tools, p.ids, p.images, p.kwargs))
-    requests = copies(request(p.ids, body, server, keep, p.images, grammar, chat_logprobs(body)), body)
+    requests = copies(request(p.ids, body, server, keep, p.images, grammar, chat_logprobs(body), ceiling), body)
     readers = [Reader(server.chat.tk, p.thinks, stops(body), p.tools is not None) for _ in requests]
     pieces = server.token_bytes() if requests[0].sampling.logprobs is not None else None
     return Job(requests, readers, *stream_flags(body), chat=True, pieces=pieces)

@@ -10,7 +10,8 @@ completions），vLLM 也有。
   时不思考，别的思考（模板的 enable_thinking），不给时用模板的默认；
 - 不存回答（store 收下、不管）：previous_response_id 是一个 400，请把历史放进 input（Codex 就这样发，store: false）；
 - 回答的 output 依次是 reasoning、message（output_text）、function_call 条目；usage 有 input、output、total tokens（Codex 没有
-  它们会失败）；写到上限时 status 是 incomplete（incomplete_details.reason = max_output_tokens）；
+  它们会失败）；写到上限时 status 是 incomplete（incomplete_details.reason = max_output_tokens；流式时仍以 response.completed
+  结束，带着这个 status：Codex 把 response.incomplete 事件当作错误）；max_output_tokens 只是上限，超出服务或上下文的截到能写的；
 - 流式的事件都带 event: 行与 sequence_number：response.created 立刻发出，之后各条目 output_item.added、内容的 delta、done，
   最后 response.completed 带着整个 output 与 usage；错误是一个 error 事件。
 出处：https://platform.openai.com/docs/api-reference/responses ；llama.cpp 的 test_compat_oai_responses.py；codex-rs。
@@ -28,9 +29,11 @@ from .requests import chat_job
 from .sse import Reply
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "temperature", "top_p", "max_output_tokens", "stream", "text",
-          "reasoning", "parallel_tool_calls", "user", "seed"}  # 这些照着做；下面这些收下、不管
+          "reasoning", "user", "seed"}  # 这些照着做；下面这些收下、不管
 IGNORED = {"store", "metadata", "include", "truncation", "prompt_cache_key", "service_tier", "background", "safety_identifier",
-           "stream_options", "max_tool_calls", "top_logprobs", "prompt_cache_retention"}
+           "stream_options", "max_tool_calls", "top_logprobs", "prompt_cache_retention", "client_metadata",
+           "parallel_tool_calls"}  # 模型一次总是可以写几个工具调用：Codex 对不认识的模型发 false，照样收下
+FIELD_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text"}  # chat completions 的字段 → 这里的名字
 NO_THINKING = ("none", "minimal")
 ITEM_IDS = {"reasoning": "rs_", "message": "msg_"}  # 条目的 id：前缀加上回答的 id
 
@@ -44,7 +47,9 @@ def parts_of(content, field: str) -> list | str:
     out = []
     for p in [p for p in content if isinstance(p, dict)]:
         if p.get("type") in ("input_text", "output_text", "text"):
-            out.append({"type": "text", "text": p.get("text") or ""})
+            out.append({"type": "text", "text": p.get("text") if isinstance(p.get("text"), str) else ""})
+        elif p.get("type") == "input_file":
+            raise ApiError(400, f"{field} 的 input_file 还不支持：请把文件的文字放进 input_text", field)
         elif p.get("type") == "input_image":
             url = p.get("image_url") if isinstance(p.get("image_url"), str) else None
             if url is None:
@@ -74,15 +79,18 @@ def messages_of(body) -> list:
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function", "function": {"name": item.get("name"),
                                                                                 "arguments": item.get("arguments") or "{}"}}
-            if not (out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None and out[-1]["content"] == ""):
-                out.append({"role": "assistant", "content": "", "tool_calls": []} | ({"reasoning_content": reasoning} if reasoning else {}))
+            if not (out and out[-1]["role"] == "assistant"):  # 同一轮的正文之后的调用：放进那一轮
+                out.append({"role": "assistant", "content": ""} | ({"reasoning_content": reasoning} if reasoning else {}))
                 reasoning = ""
-            out[-1]["tool_calls"].append(call)
+            out[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output if isinstance(output, str) else json.dumps(output)})
+            text = output if isinstance(output, str) else parts_of(output if isinstance(output, list) else [], field)
+            text = text if isinstance(text, str) else "".join(p["text"] for p in text if p["type"] == "text")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         elif kind == "reasoning":
-            reasoning += "".join(p.get("text", "") for key in ("content", "summary") for p in item.get(key) or [] if isinstance(p, dict))
+            reasoning += "".join(p["text"] for key in ("content", "summary") for p in item.get(key) or []
+                                 if isinstance(p, dict) and isinstance(p.get("text"), str))
         else:
             raise ApiError(400, f"{field} 应为消息、function_call、function_call_output 或 reasoning，收到 {show(item)}", field)
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + out
@@ -113,7 +121,7 @@ def to_chat(body, server) -> dict:
     effort = body["reasoning"].get("effort") if isinstance(body.get("reasoning"), dict) else None
     for ours, value in (("tool_choice", choice), ("response_format", fmt), ("max_tokens", body.get("max_output_tokens")),
                         ("chat_template_kwargs", None if effort is None else {"enable_thinking": effort not in NO_THINKING}),
-                        *((k, body.get(k)) for k in ("temperature", "top_p", "stream", "seed", "parallel_tool_calls", "user"))):
+                        *((k, body.get(k)) for k in ("temperature", "top_p", "stream", "seed", "user"))):
         if value is not None:
             chat[ours] = value
     return chat
@@ -148,7 +156,9 @@ def response(reply: Reply, name: str, body: dict, output: list | None, status: s
 
 
 def error_response(e: ApiError):
-    return JSONResponse(e.body, status_code=e.status)
+    """OpenAI 的错误体；param 换成这个接口的字段名。"""
+    param = e.body["error"].get("param")
+    return JSONResponse({"error": e.body["error"] | {"param": FIELD_NAMES.get(param, param)}}, status_code=e.status)
 
 
 async def responses(http: HttpRequest):
@@ -156,7 +166,7 @@ async def responses(http: HttpRequest):
     server = http.app.state.server
     try:
         body = await server.read_body(http)
-        job = await asyncio.to_thread(lambda: chat_job(to_chat(body, server), server))
+        job = await asyncio.to_thread(lambda: chat_job(to_chat(body, server), server, ceiling=True))
         reply = Reply(job, server.name)
         server.submit(job.requests[0])
     except ApiError as e:
@@ -202,9 +212,19 @@ async def events(reply: Reply, name: str, body: dict):
                 delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
                 yield emit(delta, item_id=ITEM_IDS[kind] + rid, output_index=index, content_index=0, delta=text,
                            **({"logprobs": []} if kind == "message" else {}))
+        calls, _ = reply.finish(c)
+        if rest := c.reader.content[len(texts["message"]):]:  # 写坏了的工具调用并回了正文：同非流式的一样发出去
+            if open_kind != "message":
+                for done in close(emit, open_kind, index, rid, texts):
+                    yield done
+                index, open_kind = index + 1, "message"
+                for opened in open_item(emit, "message", index, rid):
+                    yield opened
+            texts["message"] += rest
+            yield emit("response.output_text.delta", item_id=ITEM_IDS["message"] + rid, output_index=index, content_index=0,
+                       delta=rest, logprobs=[])
         for done in close(emit, open_kind, index, rid, texts):
             yield done
-        calls, _ = reply.finish(c)
         message = {"reasoning_content": texts["reasoning"], "content": texts["message"], "tool_calls": calls}
         output = output_items(message, rid)
         for call in output[index + 1:]:

@@ -32,6 +32,7 @@ class Choice:
     entries: list = field(default_factory=list)  # 要对数概率时：写进回答的 Token（停止符与停止字符串之后的不算）
     offset: int = 0  # completions 的 text_offset：流式时已经发出的文字有多长
     unsent: list = field(default_factory=list)  # 流式时还没发出的 Token
+    calls: list | None = None  # 写完之后解析出的工具调用（finish 第一次时）
 
 
 DONE = object()  # 合在一起的流里：这个回答写完了
@@ -81,7 +82,10 @@ class Reply:
                 fresh = []
 
     def finish(self, c: Choice):
-        calls = c.reader.tool_calls() if self.chat else []
+        """(工具调用, finish_reason)。工具调用只解析一次（写坏了的原样并回 content；id 每次解析都是新的）。"""
+        if c.calls is None:
+            c.calls = c.reader.tool_calls() if self.chat else []
+        calls = c.calls
         reason = "stop" if c.reader.stopped else c.request.finish_reason
         return calls, "tool_calls" if calls else ("stop" if reason == "cancelled" else reason)
 
