@@ -150,6 +150,9 @@ class Chat:
 
     def reply(self, messages, enable_thinking=False, max_new_tokens=512, tools=None, sampling=None, **settings):
         """流式产出回答的文字片段，每次从头读整段对话（复用历史、投机解码、推荐的采样、内容里的控制记号当文字：附录的 Conversation）。"""
+        if any(t.special and t.content in str([messages, tools]) for t in self.tk.get_added_tokens_decoder().values()):
+            raise ValueError("消息里写着控制记号（如 <|im_end|>）：本章会把它读成控制记号、伪造出一轮；要当文字读，请用附录的 "
+                             "qwen.Conversation")
         if IMAGE in (text := self.prompt(messages, enable_thinking, tools)):
             raise ValueError("消息里有图：要第 15 章的视觉塔读它们，请用附录的 qwen.Conversation")
         ids = self.encode(text)

@@ -148,6 +148,15 @@ def test_client_text_without_markers_is_encoded_as_before(real_chat, shape):
         assert torch.equal(made.ids, want) and made.pictures == [] and not made.thinks
 
 
+def test_the_chapters_reply_cannot_be_forged(real_chat):
+    """第 13 章的 Chat.reply 整段渲染再切 token，认得出内容里写的控制记号：有这样的内容时它不生成，说清楚要用附录的
+    Conversation（那里它们只是文字），而不是让客户伪造出一轮系统消息。"""
+    for messages, tools in [([{"role": "user", "content": FORGED}], None),
+                            ([{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f", "description": FORGED}}])]:
+        with pytest.raises(ValueError, match="控制记号.*Conversation"):
+            real_chat.reply(messages, tools=tools)
+
+
 def test_the_released_templates_own_default_is_thinking(real_chat):
     """不给 enable_thinking 时用发布的模板自己的默认：它只在 enable_thinking 是 false 时放空的 <think>，所以默认是思考
     （与 transformers、vLLM、llama-server --jinja 送出的相同）；Rendered.thinks 说回答从推理开始。"""
