@@ -136,3 +136,21 @@ def test_errors_are_anthropic_errors(served):
                           "content": [{"type": "image", "source": {}}]}]}]}, "messages[0]")]:
         status, reply = post(url + "/v1/messages", body)
         assert status == 400 and field in reply["error"]["message"], reply
+
+
+def test_claude_codes_billing_header_does_not_defeat_the_saved_state(served):
+    """Claude Code 的第一块系统提示词是计费头，cch= 每个请求都变：去掉它，第二轮从第一轮留下的状态接着读（cache_read > 0），
+    提示词与没有计费头时的相同。"""
+    _, _, _, url = served
+    client = client_of(url)
+
+    def system(nonce):
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=cli; cch={nonce};"},
+                {"type": "text", "text": "You are Claude Code."}]
+    ask = [{"role": "user", "content": "介绍一下长江。"}]
+    first = client.messages.create(model="x", max_tokens=4, system=system("aaaaa"), messages=ask)
+    more = ask + [{"role": "assistant", "content": first.content[0].text if first.content else ""}, {"role": "user", "content": "再说说"}]
+    second = client.messages.create(model="x", max_tokens=4, system=system("bbbbb"), messages=more)
+    assert second.usage.cache_read_input_tokens > 0
+    plain = client.messages.count_tokens(model="x", system="You are Claude Code.", messages=more).input_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == plain

@@ -13,12 +13,15 @@
 - 流式照 Anthropic 的事件：每个带 event: 行（SDK 按它分派），message_start 与 ping 立刻发出（长的预填充时客户端不以为断了），
   块的下标 0、1、2… 各自 start、delta、stop，最后 message_delta 与 message_stop；
 - 错误体是 {"type": "error", "error": {"type", "message"}}；key 在 x-api-key 或 Authorization: Bearer 里；model 随便写
-  （Claude Code 写它自己的名字），anthropic-version、anthropic-beta 头与 ?beta=true 不看。
+  （Claude Code 写它自己的名字），anthropic-version、anthropic-beta 头与 ?beta=true 不看；
+- Claude Code 系统提示词开头的计费头（x-anthropic-billing-header: …; cch=<每个请求都变>;）去掉（vLLM、SGLang、llama.cpp 也这样）：
+  不然提示词从第一行起就不同，留下的对话状态一次也接不上。
 出处：https://docs.anthropic.com/en/api/messages 、/en/api/messages-streaming；llama.cpp tools/server 的 test_compat_anthropic.py。
 """
 
 import asyncio
 import json
+import re
 import uuid
 
 from fastapi import Request as HttpRequest
@@ -36,6 +39,8 @@ ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 FIELD_NAMES = {"stop": "stop_sequences", "response_format": "output_config"}  # chat completions 的字段 → 这里的名字
+# Claude Code 的系统提示词第一行（或第一块）是计费头，其中的 cch= 每个请求都变：不是给模型的，留着它留下的状态就永远接不上
+BILLING = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)")
 
 
 def error_body(e: ApiError) -> dict:
@@ -127,7 +132,9 @@ def to_chat(body, server, counting: bool = False) -> dict:
         raise ApiError(400, f"max_tokens 是必需的正整数，收到 {show(body.get('max_tokens'))}", "max_tokens")
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise ApiError(400, "messages 应为非空的列表", "messages")
-    system = text_of(body.get("system", ""), "system")
+    system = body.get("system", "")
+    system = [b for b in system if not (isinstance(b, dict) and BILLING.match(str(b.get("text"))))] if isinstance(system, list) else system
+    system = BILLING.sub("", text_of(system, "system"))
     messages = [{"role": "system", "content": system}] if system else []
     messages += [out for i, m in enumerate(body["messages"]) for out in turn(m, i)]
     chat = {"model": server.name, "messages": messages, **tools_of(body)}
