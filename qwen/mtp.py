@@ -150,8 +150,8 @@ class Run:
         while self.tokens[-1] not in self.stop and len(self.tokens) < max_new_tokens:
             k = draft_tokens or best_draft_count(self.accepted_at[0], self.tried_at[0], cost_now() if cost_now else mtp.draft_cost)
             k = min(max(k, int(idle >= PROBE_EVERY)), max_new_tokens - len(self.tokens) - 1)  # 太久没起草时试一个；不超出预算
-            idle = idle + 1 if k == 0 else 0  # 连续几轮没有起草
             k, n, emitted, forwards = spec_round(model, mtp, self, k, max_new_tokens - len(self.tokens))
+            idle = idle + 1 if k == 0 else 0  # 连续几轮没有起草（真的起草了几个）
             self.tried_at = [t + (i < min(n + 1, k)) for i, t in enumerate(self.tried_at)]  # 第 i+1 个草稿真的被检验过（前面的都通过了）
             self.accepted_at = [a + (i < n) for i, a in enumerate(self.accepted_at)]  # 前 n 个通过
             self.rounds, self.forwards, self.drafted = self.rounds + 1, self.forwards + forwards, self.drafted + k

@@ -66,9 +66,9 @@ class Rule(Protocol):  # 选 token 之前改 logits 的一条规则（Penalty、
 class Token(int):
     """生成的一个 token，就是它的 id。Sampling(logprobs=n) 时生成的是 Token(id, 选出它的那一行原样的 logits [V], n)：另带 logprob
     （那一行的 log_softmax 在它上的值：罚重复、文法、temperature 之前，同 vLLM 的默认）与 top（那一行最可能的 n 个 [(id, 对数概率)]）。"""
-    def __new__(cls, token: int, logits: torch.Tensor, n: int):
-        t, row = super().__new__(cls, token), logits.float().log_softmax(-1)
-        t.logprob, t.top = float(row[token]), [(i, v) for v, i in zip(*(x.tolist() for x in row.topk(n)))]  # topk：值、下标
+    def __new__(cls, token: int, logits: torch.Tensor | None = None, n: int = 0):  # logits 为 None：复制、pickle 时
+        t, row = super().__new__(cls, token), None if logits is None else logits.float().log_softmax(-1)
+        t.logprob, t.top = (None, None) if row is None else (float(row[token]), [(i, v) for v, i in zip(*map(torch.Tensor.tolist, row.topk(n)))])
         return t
 
 
@@ -136,7 +136,7 @@ def stop_ids(stop) -> set:  # 停止符是一组 token id：给的是字符串�
 @torch.inference_mode()
 def stream(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, state=None, history=(),
            images=None, **settings):
-    """逐个产出新 token（Token），命中停止符时产出它然后结束。sampling 默认贪心，settings 在它之上改几项。state 给定时
+    """逐个产出新 token 的 id（要了对数概率时是 Token），命中停止符时产出它然后结束。sampling 默认贪心，settings 在它之上改几项。state 给定时
     接着它喂 ids（已见过 history，多轮对话不必重读；罚重复时也算上）。images：ids 里的图（第 15 章的 Images，给出 inputs）。"""
     s = Sampling.of(sampling, **settings)
     Sampling.check("max_new_tokens", max_new_tokens)
@@ -156,5 +156,5 @@ def stream(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = 
         logits = model(torch.tensor([[t]], device=ids.device), state)[:, -1]  # 解码：一次一个 token
 
 
-def generate(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, **settings) -> list:  # 新 Token（含停止符）
+def generate(model, ids, max_new_tokens=100, stop=(), sampling: Sampling | None = None, **settings) -> list:  # 新 token（含停止符）
     return list(stream(model, ids, max_new_tokens, stop, sampling, **settings))

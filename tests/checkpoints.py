@@ -348,7 +348,7 @@ CORPUS = [
 
 BEFORE, AFTER = TOOLS_PROMPT.split("{tools}")
 # 测试检查点的对话模板：我们照 build_prompt 写的 Qwen3.5 写法（发布的原文只在 ../shared/reference 里、CI 上没有）。它与
-# 发布的文字不同，所以 Literal 用 jinja2 渲染它（检查点自己的模板那条路）；test_chat 比它与 build_prompt 逐字相同。
+# 发布的文字不同，所以 Prompt 用 jinja2 渲染它（检查点自己的模板那条路）；test_chat 比它与 build_prompt 逐字相同。
 QWEN_LIKE = r'''{#- 测试检查点的对话模板：照第 13 章的 build_prompt 写的 Qwen3.5 写法（不是发布的原文）。 -#}
 {%- macro text(content) -%}
 {%- if content is string -%}{{ content }}

@@ -48,6 +48,8 @@ def padded_hidden(model, ids, state, embeds=None, positions=None) -> torch.Tenso
     given = [None if embeds is None else (embeds[b : b + 1, T - x.shape[1] :], positions[..., b : b + 1, T - x.shape[1] :])
              for b, x in todo]  # 每行真实 token 的那一段
     outs = hidden_many(model, [(x, state.row_states[b], g) for (b, x), g in zip(todo, given)])
+    if positions is not None:  # 同第 10 章：外壳的 shift 也记下每行的（之后的位置从它数）
+        state.shift = torch.tensor([int(state.row_states[b].shift) for b in range(B)])
     h = outs[0].new_zeros(B, T, outs[0].shape[-1])
     for (b, x), out in zip(todo, outs):
         h[b, T - x.shape[1] :] = out[0]
