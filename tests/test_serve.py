@@ -354,7 +354,10 @@ def test_tokenize_metrics_and_the_api_page(served):
     assert after["qwen:num_requests_running"] == after["qwen:num_requests_waiting"] == 0
     assert moved["qwen:spec_decode_num_accepted_tokens_total"] <= moved["qwen:spec_decode_num_draft_tokens_total"]
     paths = get(url + "/openapi.json")[1]["paths"]
-    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/metrics", "/v1/models"} <= set(paths)
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/tokenize", "/detokenize", "/metrics",
+            "/v1/models"} <= set(paths)
+    body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]  # protocol.py 的模型
+    assert "messages" in body["required"] and {"temperature", "tools", "response_format"} <= set(body["properties"])
     for body, field in [({"messages": messages, "prompt": "x"}, "prompt"), ({"prompt": ""}, "prompt"),
                         ({"messages": "x"}, "messages")]:
         status, reply = post(url + "/tokenize", body)

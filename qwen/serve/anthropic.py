@@ -27,14 +27,44 @@ import uuid
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from typing import Any
+
+from pydantic import StrictBool, StrictInt, StrictStr
+
 from .errors import ApiError, engine_error, show
+from .protocol import Number, Strict, read
 from .requests import chat_job, chat_prompt
 from .sse import Reply
 
-FIELDS = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature", "top_p", "top_k", "stop_sequences",
-          "stream", "thinking", "output_config"}  # 这些照着做；下面这些收下、不管（缓存、地域、计费之类，本地的服务没有）
-IGNORED = {"metadata", "service_tier", "container", "context_management", "mcp_servers", "cache_control", "diagnostics",
-           "inference_geo", "speed", "user_profile_id", "workspace_id"}
+
+class MessagesRequest(Strict):
+    """POST /v1/messages（与 count_tokens，它不要 max_tokens）的样子。块的结构由 turn 查；后面几个收下、不管（缓存、地域、
+    计费之类，本地的服务没有）。"""
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    messages: list[Any]
+    system: StrictStr | list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    stop_sequences: list[StrictStr] | None = None
+    stream: StrictBool | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    metadata: Any = None
+    service_tier: Any = None
+    container: Any = None
+    context_management: Any = None
+    mcp_servers: Any = None
+    cache_control: Any = None
+    diagnostics: Any = None
+    inference_geo: Any = None
+    speed: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
+
 ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -124,10 +154,7 @@ def tools_of(body) -> dict:
 
 def to_chat(body, server, counting: bool = False) -> dict:
     """Messages 的请求体 → chat completions 的请求体（查过的；counting：count_tokens，不要 max_tokens）。"""
-    if not isinstance(body, dict):
-        raise ApiError(400, "请求体应为 JSON 对象")
-    if unknown := sorted(set(body) - FIELDS - IGNORED):
-        raise ApiError(400, f"不支持的字段 {', '.join(unknown)}", unknown[0])
+    body = read(MessagesRequest, body)
     if not counting and (type(body.get("max_tokens")) is not int or body["max_tokens"] < 1):
         raise ApiError(400, f"max_tokens 是必需的正整数，收到 {show(body.get('max_tokens'))}", "max_tokens")
     if not isinstance(body.get("messages"), list) or not body["messages"]:

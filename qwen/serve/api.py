@@ -7,8 +7,9 @@ GET /health（加载时 503，之后 200）、GET /v1/models、POST /v1/chat/com
 OpenAI 的 POST /v1/responses（responses.py），GET /docs 是 FastAPI 的接口页。这一页只有应用本身：
 Server（加载、关闭、读请求体）与各个接口；别的按一件事一个文件：
 - access.py：Host、Origin、Content-Type 的防线与 API key（最外层的中间件 Guard）；
-- body.py、messages.py、requests.py：请求体 → 查过的 Job（引擎的 Request 与读回文字的 Reader），坏的一律 4xx，OpenAI 的
-  错误体（errors.py），404、405 与意料之外的 500 也是；
+- protocol.py：每个接口的请求体是一个 pydantic 模型（接口页的请求体也从它来）；body.py、messages.py、requests.py：请求体
+  → 查过的 Job（引擎的 Request 与读回文字的 Reader），坏的一律 4xx，OpenAI 的错误体（errors.py），404、405 与意料之外的
+  500 也是；
 - reader.py：token → reasoning_content、content、tool_calls，停止字符串；
 - sse.py：回答体与流式的 SSE，引擎的线程与事件循环之间的桥，客户端断开时让引擎停下；
 - listen.py：uvicorn 的连接（空着的连接几秒后关掉、TCP keepalive）与关闭。
@@ -38,6 +39,7 @@ from .engine import Closed, Request, in_own_team
 from .errors import ApiError, engine_error
 from .listen import uvicorn_server
 from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, schema
 from .requests import Job, chat_job, completion_job
 from .sse import Reply
 from .tokenize import detokenize, tokenize
@@ -228,13 +230,15 @@ def create_app(server: Server) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type", "x-api-key",
                                                                             "anthropic-version", "anthropic-beta"])
     app.add_middleware(Guard, access=server.access)
-    for method, path, endpoint in (("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/v1/models", models),
-                                   ("POST", "/v1/chat/completions", chat_completions),
-                                   ("POST", "/v1/completions", completions), ("POST", "/tokenize", tokenize_route),
-                                   ("POST", "/v1/messages", anthropic.messages), ("POST", "/v1/messages/count_tokens", anthropic.count_tokens),
-                                   ("POST", "/v1/responses", responses.responses),
-                                   ("POST", "/detokenize", detokenize_route)):
+    for method, path, endpoint in (("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/v1/models", models)):
         app.add_api_route(path, endpoint, methods=[method])
+    for path, endpoint, model in (("/v1/chat/completions", chat_completions, ChatCompletionRequest),
+                                  ("/v1/completions", completions, CompletionRequest),
+                                  ("/v1/messages", anthropic.messages, anthropic.MessagesRequest),
+                                  ("/v1/messages/count_tokens", anthropic.count_tokens, anthropic.MessagesRequest),
+                                  ("/v1/responses", responses.responses, responses.ResponsesRequest),
+                                  ("/tokenize", tokenize_route, TokenizeRequest), ("/detokenize", detokenize_route, DetokenizeRequest)):
+        app.add_api_route(path, endpoint, methods=["POST"], openapi_extra=schema(model))  # 接口页上的请求体：protocol.py 的模型
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)

@@ -1,5 +1,5 @@
-"""附录 · 服务：请求体本身。JSON 在进分词器与 torch 之前查完：嵌套深度、不成对的代理字符、NaN 与 Infinity；
-再是字段的基本类型（数、布尔值）。字段的含义在 requests.py 与 messages.py。"""
+"""附录 · 服务：请求体本身。JSON 在进分词器与 torch 之前查完：嵌套深度、不成对的代理字符、NaN 与 Infinity（pydantic 说不了的）。
+有哪些字段、各是什么类型在 protocol.py 的模型里；取值的范围（number、flag）与字段的含义在 requests.py 与 messages.py。"""
 
 import json
 import math

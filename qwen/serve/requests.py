@@ -1,5 +1,5 @@
-"""附录 · 服务：HTTP 请求 → 引擎的 Request。每个字段在这里查一次（类型、范围、支不支持），坏的一律 400，说出是哪个
-字段、要什么、收到了什么；查过的请求进引擎之后不再查。采样的设置合成一个 Sampling（第 12 章）：每一项收不收由第 12 章
+"""附录 · 服务：HTTP 请求 → 引擎的 Request。请求体先按 protocol.py 的模型读（有哪些字段、各是什么类型），再在这里查
+取值（范围、支不支持），坏的一律 400，说出是哪个字段、要什么、收到了什么；查过的请求进引擎之后不再查。采样的设置合成一个 Sampling（第 12 章）：每一项收不收由第 12 章
 的 RULES（Sampling.check）定，服务另在其上收窄到 OpenAI 的范围（API_RANGES）。"""
 
 import re
@@ -13,14 +13,10 @@ from .body import flag, number, within
 from .engine import Request
 from .errors import ApiError, show
 from .messages import check_messages, check_tools, chosen, template_kwargs
+from .protocol import ChatCompletionRequest, CompletionRequest, read
 from .reader import Reader
 
 SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
-COMMON = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "seed", "stop", "user", "n",
-          "logprobs", "top_logprobs", "logit_bias", *SAMPLING}
-CHAT_FIELDS = COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                        "response_format"}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 # 这些只能不给或是“关”的值：我们做不到，就不收
 UNSUPPORTED = (("suffix", ""), ("best_of", 1))
 MAX_STOP = 500  # 一个停止字符串至多这么多个字
@@ -47,13 +43,8 @@ class Job:
     pieces: list | None = None  # 要对数概率时：每个 token 的字节（Server.token_bytes）
 
 
-def check_common(body, fields, name: str):
-    """两个接口共有的：请求体是对象、没有不认识的字段、model 是这个服务的（name）、不支持的都没开。"""
-    if not isinstance(body, dict):
-        raise ApiError(400, "请求体应为 JSON 对象")
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise ApiError(400, f"不支持的字段 {', '.join(unknown)}", unknown[0])
+def check_common(body, name: str):
+    """查过样子（protocol.py）的请求体：model 是这个服务的（name）、n 在范围内、不支持的都没开。"""
     model = body.get("model")
     if model is not None and model != name:
         raise ApiError(404, f"没有模型 {show(model)}：这里只有 {name!r}（见 GET /v1/models）", "model", "model_not_found")
@@ -62,8 +53,6 @@ def check_common(body, fields, name: str):
         value = body.get(field)
         if value is not None and (value != off or isinstance(value, bool) != isinstance(off, bool)):
             raise ApiError(400, f"不支持 {field}（只能不给或是 {show(off)}）", field)
-    if not isinstance(body.get("user", ""), str):
-        raise ApiError(400, "user 应为字符串", "user")
 
 
 def stream_flags(body) -> tuple[bool, bool]:
@@ -167,7 +156,8 @@ def chat_prompt(body, server) -> ChatPrompt:
 def chat_job(body, server, ceiling: bool = False) -> Job:
     """POST /v1/chat/completions 的请求体 → Job。引擎在最后一个用户问题的末尾留一份状态（cut_point）。回答是不是从推理开始
     看渲染出的提示词（模板以没合上的 <think> 结尾：Rendered.thinks），与 enable_thinking 给没给、模板默认什么无关。"""
-    check_common(body, CHAT_FIELDS, server.name)
+    body = read(ChatCompletionRequest, body)
+    check_common(body, server.name)
     p = chat_prompt(body, server)
     grammar = tool_grammar(body, p.tools, server, p.thinks) or response_grammar(body.get("response_format"), server, p.thinks)
     keep = None
@@ -241,7 +231,8 @@ def tool_grammar(body, tools, server, think: bool):
 
 def completion_job(body, server) -> Job:
     """POST /v1/completions 的请求体 → Job：原样续写 prompt，没有要留的状态。"""
-    check_common(body, COMPLETION_FIELDS, server.name)
+    body = read(CompletionRequest, body)
+    check_common(body, server.name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

@@ -24,15 +24,48 @@ import time
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from typing import Any
+
+from pydantic import StrictBool, StrictInt, StrictStr
+
 from .errors import ApiError, engine_error, show
+from .protocol import Number, Strict, read
 from .requests import chat_job
 from .sse import Reply
 
-FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "temperature", "top_p", "max_output_tokens", "stream", "text",
-          "reasoning", "user", "seed"}  # 这些照着做；下面这些收下、不管
-IGNORED = {"store", "metadata", "include", "truncation", "prompt_cache_key", "service_tier", "background", "safety_identifier",
-           "stream_options", "max_tool_calls", "top_logprobs", "prompt_cache_retention", "client_metadata",
-           "parallel_tool_calls"}  # 模型一次总是可以写几个工具调用：Codex 对不认识的模型发 false，照样收下
+
+class ResponsesRequest(Strict):
+    """POST /v1/responses 的样子。条目的结构由 messages_of 查；后面几个收下、不管（不存回答；模型一次总是可以写几个工具调用：
+    Codex 对不认识的模型发 parallel_tool_calls: false，照样收下）。"""
+    model: StrictStr | None = None
+    input: StrictStr | list[Any]
+    instructions: StrictStr | None = None
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    max_output_tokens: StrictInt | None = None
+    stream: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    seed: StrictInt | None = None
+    previous_response_id: StrictStr | None = None
+    store: Any = None
+    metadata: Any = None
+    include: Any = None
+    truncation: Any = None
+    prompt_cache_key: Any = None
+    service_tier: Any = None
+    background: Any = None
+    safety_identifier: Any = None
+    stream_options: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+    prompt_cache_retention: Any = None
+    client_metadata: Any = None
+    parallel_tool_calls: Any = None
+
 FIELD_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text"}  # chat completions 的字段 → 这里的名字
 NO_THINKING = ("none", "minimal")
 ITEM_IDS = {"reasoning": "rs_", "message": "msg_"}  # 条目的 id：前缀加上回答的 id
@@ -98,13 +131,10 @@ def messages_of(body) -> list:
 
 def to_chat(body, server) -> dict:
     """Responses 的请求体 → chat completions 的请求体（查过的）。"""
-    if not isinstance(body, dict):
-        raise ApiError(400, "请求体应为 JSON 对象")
+    body = read(ResponsesRequest, body)
     if body.get("previous_response_id") is not None:
         raise ApiError(400, "这里不存回答：没有 previous_response_id 可接，请把之前的条目放进 input（store: false 的写法）",
                        "previous_response_id")
-    if unknown := sorted(set(body) - FIELDS - IGNORED - {"previous_response_id"}):
-        raise ApiError(400, f"不支持的字段 {', '.join(unknown)}", unknown[0])
     chat = {"model": server.name, "messages": messages_of(body)}
     tools = body.get("tools")
     if tools is not None:

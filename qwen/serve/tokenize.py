@@ -2,14 +2,14 @@
 拼回什么文字，不生成。对话消息走 chat completions 同一条路（requests.py 的 chat_prompt）：token 数就是那边的 prompt_tokens。"""
 
 from .errors import ApiError, show
+from .protocol import DetokenizeRequest, TokenizeRequest, read
 from .requests import chat_prompt, check_common, rendered
-
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "chat_template_kwargs", "add_special_tokens"}
 
 
 def tokenize(body, server) -> dict:
     """{"prompt": 文字} 或 {"messages": [...], "tools"?, "chat_template_kwargs"?} → {count, max_model_len, tokens}。"""
-    check_common(body, TOKENIZE_FIELDS, server.name)
+    body = read(TokenizeRequest, body)
+    check_common(body, server.name)
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "给 prompt（一段文字）或 messages（对话消息）中的一个", "prompt")
     if "messages" in body:
@@ -23,7 +23,8 @@ def tokenize(body, server) -> dict:
 
 def detokenize(body, server) -> dict:
     """{"tokens": [id, …]} → {"prompt": 文字}（控制记号照原样写出）。"""
-    check_common(body, {"model", "tokens"}, server.name)
+    body = read(DetokenizeRequest, body)
+    check_common(body, server.name)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < server.vocab_size for t in tokens):
         raise ApiError(400, f"tokens 应为词表里的 token id（0…{server.vocab_size - 1}）组成的列表，收到 {show(tokens)}", "tokens")
