@@ -154,3 +154,18 @@ def test_claude_codes_billing_header_does_not_defeat_the_saved_state(served):
     assert second.usage.cache_read_input_tokens > 0
     plain = client.messages.count_tokens(model="x", system="You are Claude Code.", messages=more).input_tokens
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == plain
+
+
+def test_structured_output_through_output_config(served):
+    """output_config.format 的 JSON Schema：回答合乎它，与 chat completions 的 response_format 逐字相同（流式也是）。"""
+    pytest.importorskip("llguidance")
+    client, _, _, url = served
+    schema = {"type": "object", "additionalProperties": False, "required": ["color"], "properties": {"color": {"enum": ["red", "blue"]}}}
+    ask = [{"role": "user", "content": "给一个颜色"}]
+    want = chat_answer(served, ask, max_tokens=60, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    claude = client_of(url)
+    got = claude.messages.create(model="x", max_tokens=60, messages=ask, output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert got.content[0].text == want.choices[0].message.content and json.loads(got.content[0].text)["color"] in ("red", "blue")
+    blocks, _, _ = streamed_blocks(claude, model="x", max_tokens=60, messages=ask,
+                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert "".join(b.get("text", "") for b in blocks) == got.content[0].text
