@@ -22,6 +22,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -367,17 +368,35 @@ NARROWER = {"AVX-512": ["-mno-avx512vnni", "-mno-avx512bf16"], "AVX2 VNNI": ["-m
 
 
 def load_kernel(cxx: str, flags=FLAGS) -> Kernel:
-    """加载这台机器编好的 matvec.cpp（没有就先编译），注册算子，返回 Kernel。缓存的文件夹写不了（只读的 XDG_CACHE_HOME）
-    时编进一个临时文件夹：这次照样用 C++ 内核，只是下次还要再编一次。"""
+    """加载这台机器编好的 matvec.cpp（没有就先编译），注册算子，返回 Kernel。缓存的文件夹用不了（只读的、或 XDG_CACHE_HOME
+    是个文件）时编进临时文件夹里自己的那个（fallback_file），说一次（每个进程一个 RuntimeWarning）：照样用 C++ 内核。
+    AMX 的试探用的是真的加载了的那个文件。"""
     out = kernel_file(cxx, flags)
     try:
         lib = load_or_build(out, cxx, flags)
-    except OSError:
-        lib = load_or_build(Path(tempfile.mkdtemp(prefix="qwen-kernel-")) / out.name, cxx, flags)
+    except OSError as e:  # 说一次（每个进程）：缓存在哪儿、为什么用不了、这次用的是什么
+        fallback = fallback_file(out)
+        warnings.warn(f"qwen：C++ 内核的缓存 {out.parent} 用不了（{e.strerror or e}）：编进 {fallback.parent}（临时文件夹，会被清掉），"
+                      "照样用 C++ 内核；让 XDG_CACHE_HOME 指向一个能写的文件夹就能长久留下它", RuntimeWarning, stacklevel=2)
+        out, lib = fallback, load_or_build(fallback, cxx, flags)
     kernel = Kernel(lib)
     kernel.amx = amx_usable(lib, out)
     register_ops(kernel)
     return kernel
+
+
+def fallback_file(out: Path) -> Path:
+    """缓存用不了时编到哪儿：临时文件夹里只有自己能写的 qwen-kernels-<uid>（这个进程之后几次加载、之后的进程都接着用，只编
+    一次）；它是别人建的、或别人也能写（能换掉 .so）时，用一个新的私有临时文件夹。"""
+    folder = Path(tempfile.gettempdir()) / f"qwen-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = folder.stat()
+        if info.st_uid == (os.getuid() if hasattr(os, "getuid") else info.st_uid) and not info.st_mode & 0o022:
+            return folder / out.name
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="qwen-kernel-")) / out.name
 
 
 # 子进程里试一次 AMX：只用标准库（不导入 torch，启动得快），32 × 64 的整数小矩阵，结果必须分毫不差
@@ -409,7 +428,7 @@ def amx_usable(lib: ctypes.CDLL, so: Path) -> bool:
     works = read_record("amx.json", so.name)
     if works is None:
         try:
-            works = subprocess.run([sys.executable, "-c", AMX_PROBE, str(so)], timeout=60).returncode == 0
+            works = subprocess.run([sys.executable, "-c", AMX_PROBE, str(so)], timeout=60, capture_output=True).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             works = False
         write_record("amx.json", so.name, works)
