@@ -388,11 +388,12 @@ def load_kernel(cxx: str, flags=FLAGS) -> Kernel:
 def fallback_file(out: Path) -> Path:
     """缓存用不了时编到哪儿：临时文件夹里只有自己能写的 qwen-kernels-<uid>（这个进程之后几次加载、之后的进程都接着用，只编
     一次）；它是别人建的、或别人也能写（能换掉 .so）时，用一个新的私有临时文件夹。"""
-    folder = Path(tempfile.gettempdir()) / f"qwen-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    uid = os.getuid()  # Linux、macOS：C++ 内核本来就只在这些系统上编
+    folder = Path(tempfile.gettempdir()) / f"qwen-kernels-{uid}"
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
         info = folder.stat()
-        if info.st_uid == (os.getuid() if hasattr(os, "getuid") else info.st_uid) and not info.st_mode & 0o022:
+        if info.st_uid == uid and not info.st_mode & 0o022:
             return folder / out.name
     except OSError:
         pass
