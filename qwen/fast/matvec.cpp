@@ -221,12 +221,23 @@ RowsFn<W> rows_of(int64_t g) {  // block_rows<W, g, N>
   return table[g - 1];
 }
 
+// 带 AVX-512 的 AMD（Zen 4 起）：硬件预取跟得上一对一对的 bfloat16 与 int8，软件预取在 1～32 行都只添乱（数字见
+// docs/performance.md）。运行时问一次 CPU 的厂商：同一个 .so 在别的 x86 上照旧
+inline bool amd_avx512() {
+#if defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool yes = __builtin_cpu_is("amd");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // 软件预取提前多少（W 的个数）。行少时每个输入算得快，硬件的预取跟得上，软件预取反而占了读内存的位置；行多时每个输入
 // 算得久，软件预取让内存在乘加的同时送下一段（分界在这台机器上量出，见 docs/performance.md）。一对一对的 bfloat16 一条指令
 // 乘加两个输入，同样的行数算得快一倍，分界也翻倍；它每个输入（一对）128 字节，提前的输入减半：字节数与 bfloat16 一样
 template <typename W>
-constexpr int64_t ahead(int64_t M) {
-  if constexpr (std::is_same_v<W, Pair>) return M > 4 ? AHEAD / 2 * BLOCK : 0;
+int64_t ahead(int64_t M) {
+  if constexpr (std::is_same_v<W, Pair>) return M > 4 && !amd_avx512() ? AHEAD / 2 * BLOCK : 0;
   else return M > 2 ? AHEAD * BLOCK : 0;
 }
 
@@ -452,7 +463,8 @@ QuantizedRows quantize_rows(const X* x, int64_t M, int64_t n_in, int64_t groups)
 // G 行（量化好的输入，从第 m0 行起）乘相邻的 N 块 → out [N, G, 32]。int4：每组的整数和乘 (权重的比例 · dx)；
 // int8：乘 dx，全部组加完再乘每个输出的比例
 template <typename Q, int G, int N>
-void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* w, const void* scales, float* out) {
+void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* w, const void* scales, int64_t ahead,
+              float* out) {
   const int64_t stride = groups * (QIN / 4) * Q::QUAD;  // 一块几个字节
   vec acc[N][G][LANES];
   for (int n = 0; n < N; ++n)
@@ -474,7 +486,7 @@ void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t*
       }
       for (int n = 0; n < N; ++n) {
         const uint8_t* wn = w + n * stride + (c * QIN / 4 + p) * Q::QUAD;
-        __builtin_prefetch(wn + 2 * AHEAD * BLOCK);  // 与 bfloat16 提前同样多的字节（4 KB）
+        __builtin_prefetch(wn + ahead);  // ahead = 0 时预取的是正要读的这一份（不起作用）
         for (int k = 0; k < LANES; ++k) {
           const ivec wv = Q::weights(wn, k);
           for (int g = 0; g < G; ++g) dot[n][g][k] = Q::dot(dot[n][g][k], wv, xs[g]);
@@ -506,7 +518,7 @@ void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t*
 constexpr int QROWS = WIDTH == 16 ? 8 : 2;
 
 template <typename Q, int N, size_t... G>
-std::array<void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const void*, float*), sizeof...(G)>
+std::array<void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const void*, int64_t, float*), sizeof...(G)>
 int_table(std::index_sequence<G...>) {
   return {&int_rows<Q, int(G) + 1, N>...};
 }
@@ -518,6 +530,13 @@ const void* block_scales(const void* s, int64_t groups, int64_t b) {
   else return static_cast<const float*>(s) + b * BLOCK;
 }
 
+// 整数的权重提前预取多少字节：与 bfloat16 提前同样多（4 KB）。带 AVX-512 的 AMD 上 int8 不预取，int4 从 3 行起才预取
+template <typename Q>
+int64_t int_ahead(int64_t M) {
+  if (amd_avx512() && (std::is_same_v<Q, Int8> || M <= 2)) return 0;
+  return 2 * AHEAD * BLOCK;
+}
+
 template <typename Q, int N>
 void int_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* w, const void* s, Out y,
               int64_t B, int64_t b) {
@@ -525,7 +544,7 @@ void int_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* 
   float acc[N * QROWS * BLOCK];
   for (int64_t m = 0, g = 0; m < M; m += g) {
     g = std::min<int64_t>(M - m, QROWS);
-    table[g - 1](x, m, groups, w + b * groups * (QIN / 4) * Q::QUAD, block_scales<Q>(s, groups, b), acc);
+    table[g - 1](x, m, groups, w + b * groups * (QIN / 4) * Q::QUAD, block_scales<Q>(s, groups, b), int_ahead<Q>(M), acc);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r)
         y.put((m + r) * B * BLOCK + (b + n) * BLOCK, acc + (n * g + r) * BLOCK);
