@@ -7,7 +7,10 @@
     python ch14_mtp.py                      # 默认：find_model() 找到的 Qwen3.5-0.8B
     python ch14_mtp.py --model /path/to/ckpt --draft-tokens 2 --dtype bfloat16 --threads 2
 
-不给 --draft-tokens 时，每轮起草几个由 generate_mtp 按观察到的接受率自动挑选（见 qwen.mtp.best_draft_count）。
+不给 --draft-tokens 时，每轮起草几个由 generate_mtp 按观察到的接受率与这台机器上量出的一轮的代价自动挑选（见
+qwen.mtp.best_draft_count）；起草在这里永远不划算时一个也不起草，另按固定每轮 1 个跑一遍，看看接受率。
+最后打印为什么是这个加速比：这台机器上 demo 与 0.8B 的形状各自一轮的代价（0.8B 的形状第一次量要几秒，之后读记下的），
+以及同样的接受率在两者上各该有多少加速。
 """
 
 import argparse
@@ -20,7 +23,7 @@ from qwen.cache import State, copy_state, keep_history
 from qwen.chat import Chat
 from qwen.__main__ import layout_of, model_options
 from qwen.fast import DTYPES, describe, load, num_params, warm_up
-from qwen.mtp import speculate
+from qwen.mtp import best_draft_count, speculate
 from qwen.sample import generate
 
 PROMPTS = ["用一句话介绍一下 Transformer。", "写一段 200 字的短文，介绍长江。"]
@@ -107,15 +110,23 @@ def load_head(args):
     for name, module in mtp.named_children():
         print(f"  {name}: {num_params(module) / 1e6:.2f}M")
     print(f"起草词表：{getattr(mtp, 'draft_note', '全词表')}")
-    if args.draft_tokens:
-        how = f"固定 {args.draft_tokens} 个"
-    else:
-        how = (f"自动（按接受率挑 0～4 个；刚才量得这台机器上每多起草一个 token 一轮多花一步的 {mtp.draft_cost:.0%}，"
-               "接受率低于它时不起草）")
+    how = f"固定 {args.draft_tokens} 个" if args.draft_tokens else f"自动（按接受率挑 0～4 个，{costs(mtp.round_cost)}）"
     print(f"线程 {torch.get_num_threads()}，dtype {str(model.dtype).removeprefix('torch.')}，{describe(model)}，"
           f"每轮起草：{how}\n")
 
     return model, mtp, chat
+
+
+def costs(round_cost) -> str:
+    """一轮的代价，一句话。"""
+    text = f"量得起草 1～{len(round_cost) - 1} 个的一轮各花普通解码的 {' / '.join(f'{r:.2f}' for r in round_cost[1:])} 步"
+    return text + ("" if best_draft_count(1, round_cost) else "：草稿全对也不划算，一个也不起草")
+
+
+def expected(a: float, round_cost) -> tuple[float, int]:
+    """第一个草稿位置的接受率 a、一轮的代价 round_cost → (期望的加速比, 每轮起草几个)：第 14 章 best_draft_count 的式子。"""
+    k = best_draft_count(a, round_cost)
+    return (1 - min(a, 0.99) ** (k + 1)) / (1 - min(a, 0.99)) / round_cost[k], k
 
 
 def main(argv=None):
@@ -124,12 +135,36 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     model, mtp, chat = load_head(args)
     color = sys.stdout.isatty()
-    for text in (PROMPTS if chat.templated else CODE_PROMPTS) + args.prompt:
-        compare(model, mtp, chat, text, args, color)
+    seen = [compare(model, mtp, chat, text, args, color) for text in (PROMPTS if chat.templated else CODE_PROMPTS) + args.prompt]
+    if not args.draft_tokens:
+        why(model, mtp, seen)
 
 
-def compare(model, mtp, chat, text: str, args, color: bool) -> None:
-    """一个提示词：普通贪心与投机解码各跑一遍，打印速度、接受率、是否逐 token 相同与加速比。"""
+def why(model, mtp, seen) -> None:
+    """为什么是这个加速比：这台机器上 demo 与 0.8B 的形状各自一轮的代价，同样的接受率在两者上的期望加速比。"""
+    from qwen.bench.scale import full_size_costs
+
+    tried, accepted = sum(t for _, t, _ in seen), sum(a for _, _, a in seen)
+    a = accepted / max(tried, 1)
+    step = sum(s for s, _, _ in seen) / len(seen)
+    print("为什么是这个加速比：投机解码省的是读权重的时间（验证 k+1 个 token 时每个权重读一次、乘 k+1 行）。")
+    print(f"  这个模型：解码一步 {step * 1e3:.2f} 毫秒，{costs(mtp.round_cost)}。")
+    if model.cfg.num_hidden_layers * model.cfg.hidden_size >= 24 * 1024:
+        return
+    print("  它的一步几乎全是固定开销（权重只有几 MB，装得进缓存）：多验证一行、起草一个 token 都和一步差不多贵。")
+    print("  同一台机器上量一量 0.8B 的形状（24 层、宽 1024、随机权重；第一次要几秒，之后读记下的）……", flush=True)
+    full = full_size_costs(model.dtype)
+    rows = " / ".join(f"{t * 1e3:.1f}" for t in full["verify"])
+    print(f"  0.8B 的形状：一次前向验证 1～{len(full['verify'])} 行各 {rows} 毫秒，起草一个 {full['draft'] * 1e3:.1f} 毫秒，"
+          f"{costs(full['round_cost'])}。")
+    (s, k), (s_full, k_full) = expected(a, mtp.round_cost), expected(a, full["round_cost"])
+    print(f"  同样的接受率（上面第一个草稿位置的 {a:.0%}）：这个模型期望 {s:.2f}×（每轮起草 {k} 个），"
+          f"0.8B 的形状期望 {s_full:.2f}×（每轮起草 {k_full} 个）。")
+
+
+def compare(model, mtp, chat, text: str, args, color: bool) -> tuple[float, int, int]:
+    """一个提示词：普通贪心与投机解码各跑一遍，打印速度、接受率、是否逐 token 相同与加速比。
+    返回 (普通解码每个 token 的秒数, 第一个草稿位置验证了几次, 通过了几次)。"""
     ids = chat.encode(chat.prompt([{"role": "user", "content": text}]))
     generate(model, ids, 2)  # 预热：第一次调用有一次性的开销
     t0 = time.perf_counter()
@@ -154,10 +189,17 @@ def compare(model, mtp, chat, text: str, args, color: bool) -> None:
     answer = chat.decode([t for t in plain if t not in chat.stop])
     print(f"  回答前 60 字：{answer[:60]!r}")
     print(f"  加速比：{a / b:.2f}×")
+    if not r.drafted and not args.draft_tokens:  # 自动挑选一个也没起草：另按固定每轮 1 个跑一遍，看看草稿头猜得准不准
+        t3 = time.perf_counter()
+        r = speculate(model, mtp, ids, args.max_new_tokens, chat.stop, draft_tokens=1)
+        c = time.perf_counter() - t3
+        print(f"  固定每轮起草 1 个：接受 {r.hits}/{r.drafted}，接受率 {r.acceptance:.0%}，加速比 {a / c:.2f}×，"
+              f"输出逐 token 相同：{'是' if plain == r.tokens else '否'}")
     if color:
         print("  （绿色是草稿头猜对、白送的 token）")
         print("  " + highlight(chat, r, color).replace("\n", "\n  "))
     print()
+    return a / len(plain), r.tried_at[0] if r.tried_at else 0, r.accepted_at[0] if r.accepted_at else 0
 
 
 if __name__ == "__main__":

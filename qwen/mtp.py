@@ -35,7 +35,7 @@ class MTP(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.draft_cost = 0.9  # 多起草一个 token 一轮多花几步普通解码（best_draft_count）：普通的矩阵乘法，取得保守
+        self.round_cost = [1 + 0.9 * k for k in range(MAX_DRAFTS + 1)]  # 起草 k 个的一轮花几步普通解码（含每轮的固定开销）：取得保守
 
     def forward(self, emb_next, hidden, start: int, state: AttentionState | None = None, shift: int = 0):
         """emb_next、hidden [B, T, h] → [B, T, h]（mtp.norm 之后）：第 i 行是位置 start + i 的 (h_t, e_{t+1})，预测 t + 2。"""
@@ -137,7 +137,7 @@ class Run:
 
     @torch.inference_mode()
     def stream(self, model, mtp, max_new_tokens: int, draft_tokens=None, cost_now=None):
-        """逐轮产出新 token，边产出边记统计。draft_tokens=None：按接受率挑；cost_now：每轮问一次起草代价（默认 mtp.draft_cost）。"""
+        """逐轮产出新 token，边产出边记统计。draft_tokens=None：按接受率挑；cost_now：每轮问一次一轮的代价（默认 mtp.round_cost）。"""
         Sampling.check("max_new_tokens", max_new_tokens)
         if draft_tokens is not None and (not isinstance(draft_tokens, int) or draft_tokens < 1):
             raise ValueError(f"draft_tokens 至少为 1（或 None：自动），收到 {draft_tokens!r}")
@@ -148,8 +148,9 @@ class Run:
         yield list(self.tokens)
         self.penalty.add(self.tokens)
         while self.tokens[-1] not in self.stop and len(self.tokens) < max_new_tokens:
-            k = draft_tokens or best_draft_count(self.accepted_at[0], self.tried_at[0], cost_now() if cost_now else mtp.draft_cost)
-            k = min(max(k, int(idle >= PROBE_EVERY)), max_new_tokens - len(self.tokens) - 1)  # 太久没起草时试一个；不超出预算
+            cost, a = cost_now() if cost_now else mtp.round_cost, (self.accepted_at[0] + 1) / (self.tried_at[0] + 2)  # 先验“2 次里对 1 次”
+            k = draft_tokens or best_draft_count(a, cost) or int(idle >= PROBE_EVERY and best_draft_count(1, cost) > 0)  # 久没起草：试一个
+            k = min(k, max_new_tokens - len(self.tokens) - 1)  # 不超出预算；a = 1 也不划算时不试（起草在这里永远不划算）
             k, n, emitted, forwards = spec_round(model, mtp, self, k, max_new_tokens - len(self.tokens))
             idle = idle + 1 if k == 0 else 0  # 连续几轮没有起草（真的起草了几个）
             self.tried_at = [t + (i < min(n + 1, k)) for i, t in enumerate(self.tried_at)]  # 第 i+1 个草稿真的被检验过（前面的都通过了）
@@ -179,10 +180,10 @@ def verify(drafts, qs, logits, run: Run):
     return len(drafts), drafts + [bonus]
 
 
-def best_draft_count(accepted: int, tried: int, cost: float, most: int = MAX_DRAFTS) -> int:
-    """按接受率 a（第一个草稿位置的，先验“2 次里对 1 次”）挑 k：最大化 (1 − a^(k+1)) / (1 − a) ÷ (1 + cost·k)；0 是不起草。"""
-    a = min((accepted + 1) / (tried + 2), 0.99)
-    return max(range(0, most + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (1 + cost * k))
+def best_draft_count(a: float, round_cost) -> int:
+    """接受率 a 时每轮起草几个：最大化一轮期望产出的 (1 − a^(k+1)) / (1 − a) 个 token ÷ 这一轮的代价 round_cost[k]；0 是不起草。"""
+    a = min(a, 0.99)
+    return max(range(len(round_cost)), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / round_cost[k])
 
 
 def spec_round(model, mtp, run: Run, k: int, budget: int):
@@ -190,9 +191,8 @@ def spec_round(model, mtp, run: Run, k: int, budget: int):
     drafts, qs = mtp.draft(model, run, k) if k > 0 else ([], [])  # 1. 起草（k = 0 时这一轮就是普通解码）
     k = len(drafts)  # 起草头可能少起草几个（文法此刻许的 token 它都不打分时）
     # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
-    state, start = run.state, run.state.pos
+    state, start, snap = run.state, run.state.pos, snapshot(run.state) if run.recompute else None
     feed = torch.tensor([[run.tokens[-1]] + drafts], device=run.drafter.tokens.device)  # [1, k+1]
-    snap = snapshot(state) if run.recompute else None
     if not run.recompute and k > 0:
         keep_history(state)
     h = model.hidden(feed, state)  # [1, k+1, h]：最后一次 norm 之后的，草稿头要它

@@ -121,7 +121,7 @@ def test_bench_runs_end_to_end(lively, tmp_path):
     assert len(run["qwen_packed"]["decode_rounds"]) == 1 and run["qwen_packed"]["decode_tok_s"] > 0
     assert run["qwen"]["layout"] == "分块布局、C++ 的 matvec"  # 默认：这台机器能编译 C++ 就用
     assert run["qwen_packed"]["layout"] == "oneDNN 打包的布局"
-    assert 0 < run["qwen"]["draft_cost"] < 10  # 加载后量出的起草代价
+    assert run["qwen"]["round_cost"][0] == 1 and run["qwen"]["round_cost"] == sorted(run["qwen"]["round_cost"])  # 量出的
     ll = run["llama_cpp"]
     assert (ll["decode_tok_s"], ll["prefill_tok_s"], ll["decode_rounds"]) == (20, 400, [20])
     for key in ("qwen", "qwen_packed"):
@@ -153,3 +153,25 @@ def test_peak_rss_of_a_child_ignores_the_parent():
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     del big
     assert 0.05 < child < 0.9
+
+
+def test_full_size_costs_are_measured_once(tmp_path, monkeypatch):
+    """第 14 章在 demo 旁边打印的“0.8B 的形状”：造一组 4 层的随机权重、重复成整个模型的层数，量一次前向验证 1～5 行与起草一个，
+    记在 round_cost.json 里；第二次直接读记下的，不再造权重。这里把形状换成小的（同一段代码，几秒之内）。"""
+    from checkpoints import TINY
+
+    from qwen.bench import scale
+    from qwen.fast.warm import valid_round_cost
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(scale, "FULL", Config(**dict(TINY, num_hidden_layers=8)))
+    monkeypatch.setattr(scale, "DRAFT_ROWS", 100)
+    first = scale.full_size_costs(torch.float32)
+    assert len(first["verify"]) == 5 and all(t > 0 for t in first["verify"]) and first["draft"] > 0
+    assert valid_round_cost(first["round_cost"]) and first["step"] == first["verify"][0]
+
+    def no_build(*args, **kw):
+        raise AssertionError("记下的结果没被用上：又造了一遍权重")
+
+    monkeypatch.setattr(scale, "random_checkpoint", no_build)
+    assert scale.full_size_costs(torch.float32) == first

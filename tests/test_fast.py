@@ -141,6 +141,7 @@ def test_compiled_speculation_equals_greedy_without_recompiling(lively):
     from torch._dynamo.utils import counters
 
     from qwen.fast import FastMTP, warm_up
+    from qwen.fast.warm import valid_round_cost
     from qwen.mtp import speculate
     from qwen.sample import generate
 
@@ -149,7 +150,7 @@ def test_compiled_speculation_equals_greedy_without_recompiling(lively):
     mtp = load_draft(model, lively[0], draft_vocab=300)
     assert isinstance(mtp, FastMTP) and mtp.step is not None
     warm_up(model, mtp)
-    assert mtp.draft_cost < 10
+    assert valid_round_cost(mtp.round_cost) and mtp.round_cost[-1] < 40  # 量出的：[1, r₁…r₄]，随 k 不减
     before = counters["stats"]["unique_graphs"]
     for T, k in ((9, 1), (40, 2), (12, 3), (30, 4), (70, None)):
         ids = prompt(512, T, seed=700 + T)

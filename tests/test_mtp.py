@@ -363,13 +363,23 @@ def test_draft_vocab_subset(lively, model, vocab):
 def test_best_draft_count():
     from qwen.mtp import MAX_DRAFTS, best_draft_count
 
-    assert best_draft_count(0, 50, cost=0.08) == 0  # 几乎从不接受：不起草，就是普通的一步
-    assert best_draft_count(15, 50, cost=0.08) == 1  # a ≈ 0.31：起草一个还划算
-    assert best_draft_count(15, 50, cost=0.35) == 0  # 同样的接受率，起草贵（layout="graphs"）：不起草
-    assert best_draft_count(95, 100, cost=0.08) == MAX_DRAFTS  # 几乎总接受、起草便宜：起草最多
-    assert best_draft_count(95, 100, cost=0.9) == 1  # 每多起草一个就多花近一步：不值得多起草
-    ks = [best_draft_count(a, 100, cost=0.1) for a in range(0, 101, 10)]
+    def linear(each, fixed=0.0):  # 一轮的代价：每轮的固定开销 + 每个草稿的
+        return [1.0] + [1 + fixed + each * k for k in range(1, MAX_DRAFTS + 1)]
+
+    assert best_draft_count(0.02, linear(0.08)) == 0  # 几乎从不接受：不起草，就是普通的一步
+    assert best_draft_count(0.31, linear(0.08)) == 1  # 起草一个还划算
+    assert best_draft_count(0.31, linear(0.35)) == 0  # 同样的接受率，起草贵：不起草
+    assert best_draft_count(0.95, linear(0.08)) == MAX_DRAFTS  # 几乎总接受、起草便宜：起草最多
+    assert best_draft_count(0.95, linear(0.9)) == 1  # 每多起草一个就多花近一步：不值得多起草
+    ks = [best_draft_count(a / 100, linear(0.1)) for a in range(0, 101, 10)]
     assert ks == sorted(ks)  # 接受率越高，起草越多
+    # 每轮的固定开销：同样的每个草稿的代价，起草就要先付一笔，接受率要更高才划算，一旦划算就多起草几个摊开它
+    assert best_draft_count(0.5, linear(0.1)) == 2 and best_draft_count(0.5, linear(0.1, fixed=0.8)) == 0
+    assert best_draft_count(0.9, linear(0.1, fixed=0.8)) == MAX_DRAFTS
+    # 量出的代价不是直线：验证 5 行时一下子贵起来，k = 4 就不选（直线会把这一跳摊给每个 k）
+    assert best_draft_count(0.9, [1.0, 1.1, 1.2, 1.3, 2.0]) == 3
+    # 草稿全对（a 封顶 0.99）也不划算：一个也不起草
+    assert best_draft_count(1.0, [1.0, 2.6, 3.5, 4.2, 5.1]) == 0 and best_draft_count(1.0, linear(0.9)) > 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -406,18 +416,22 @@ def test_compiled_speculative_equals_plain(lively):
     assert generate_mtp(model, mtp, ids, 20, draft_tokens=2)[0] == generate(plain, ids, 20)
 
 
-def test_draft_cost_is_asked_every_round(model, mtp):
+def test_round_cost_is_asked_every_round(model, mtp):
     """cost_now 是每轮问一次的函数（服务时随同时生成的请求数变）：便宜的几轮起草，变贵之后不起草（每 PROBE_EVERY
-    轮试一个）；输出始终与普通贪心相同。"""
+    轮试一个）；草稿全对也不划算时一个也不起草、也不试；输出始终与普通贪心相同。"""
     from qwen.mtp import PROBE_EVERY
 
     ids = ids_of(10, seed=801)
     seq = ids[0].tolist() + generate(model, ids, 80)
-    costs = iter([0.05] * 5 + [50.0] * 200)
+    cheap, dear = [1 + 0.05 * k for k in range(5)], [1.0, 1.97, 2.9, 3.9, 4.9]  # dear：接受率 0.99 时才划算
+    costs = iter([cheap] * 5 + [dear] * 200)
     r = speculate(model, OracleDrafter(mtp, seq, 0.9, seed=1), ids, 80, cost_now=lambda: next(costs))
     assert r.tokens == seq[10:]
     ks = [k for k, _, _ in r.trace]
-    assert all(k >= 1 for k in ks[:5]) and ks[5 : 5 + PROBE_EVERY] == [0] * PROBE_EVERY
+    assert all(k >= 1 for k in ks[:5]) and ks[5 : 5 + PROBE_EVERY] == [0] * PROBE_EVERY and max(ks[5 + PROBE_EVERY :]) == 1
+    never = [1.0, 2.6, 3.5, 4.2, 5.1]  # demo 那样：一轮的固定开销比一步还大
+    r = speculate(model, OracleDrafter(mtp, seq, 1.0, seed=1), ids, 80, cost_now=lambda: never)
+    assert r.tokens == seq[10:] and r.drafted == 0 and r.rounds == 79
 
 
 def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):

@@ -185,12 +185,13 @@ def test_drafting_costs_more_in_a_batch(served):
         saved = set(engine.running)
         engine.running.clear()
         engine.running.add(1)
-        alone = engine.draft_cost_now()
+        alone = engine.round_cost_now()
         engine.running.add(2)
-        together = engine.draft_cost_now()
+        together = engine.round_cost_now()
         engine.running.clear()
         engine.running.update(saved)
-    assert alone == engine.mtp.draft_cost and together == BATCHED_DRAFT_COST * alone > alone
+    assert alone == engine.mtp.round_cost and together == [1 + BATCHED_DRAFT_COST * (r - 1) for r in alone]
+    assert together[0] == 1.0 and all(t > a for t, a in zip(together[1:], alone[1:]))
 
 
 def test_the_engine_leaves_the_shared_model_as_it_was(served):
@@ -342,8 +343,12 @@ def test_tokenize_metrics_and_the_api_page(served):
     assert post(url + "/detokenize", {"tokens": tok["tokens"]}) == (200, {"prompt": server.chat.decode(tok["tokens"])})
     text = "def add(a, b):"
     assert post(url + "/tokenize", {"prompt": text})[1]["tokens"] == server.chat.encode(text)[0].tolist()
-    before = scrape(url)
-    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    before, kept = scrape(url), engine.mtp.round_cost
+    engine.mtp.round_cost = [1.0] * len(kept)  # 起草不要钱：这一个请求一定起草（tiny 上量出的代价可能说起草永远不划算）
+    try:
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    finally:
+        engine.mtp.round_cost = kept
     after = scrape(url)
     moved = {k: after[k] - before.get(k, 0) for k in after if not k.startswith("qwen:num_requests")}
     assert r.usage.prompt_tokens == tok["count"] and r.usage.completion_tokens == moved["qwen:generation_tokens_total"] > 0

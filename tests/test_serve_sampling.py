@@ -185,7 +185,7 @@ def no_digit_drafts(request, lively):
     tk = __import__("qwen").Chat(model, lively[0]).tk
     digits = {i for i in range(model.cfg.vocab_size) if (tk.id_to_token(i) or " ")[0].isdigit()}
     mtp = load_draft(model, draft_vocab=[i for i in range(model.cfg.vocab_size) if i not in digits])
-    mtp.draft_cost = 0.0  # 起草不要钱：抽样的请求每轮都起草 4 个（自动挑的数），数字的位置上一定轮到草稿头
+    mtp.round_cost = [1.0] * 5  # 起草不要钱：抽样的请求每轮都起草 4 个（自动挑的数），数字的位置上一定轮到草稿头
     server = Server(NAME, max_tokens=64)
     server.ready(Engine(model, mtp, slots=4, cache_mb=16))
     url, uv = start(server)

@@ -9,7 +9,7 @@ class OracleDrafter:
 
     def __init__(self, mtp, sequence: list, a: float, seed: int = 0):
         self.mtp, self.seq, self.a = mtp, sequence, a  # sequence：提示词 + 贪心续写
-        self.draft_cost = mtp.draft_cost  # 自动挑草稿数时按真的草稿头的代价算
+        self.round_cost = mtp.round_cost  # 自动挑草稿数时按真的草稿头的代价算
         self.gen = torch.Generator().manual_seed(seed)
 
     def draft(self, model, run, k):

@@ -25,7 +25,7 @@ def run_qwen(path, dtype, tokens, prefill_len, spec: bool, layout: str = "auto",
     prompt, long = prompt_ids(model.cfg, PROMPT_LEN), prompt_ids(model.cfg, prefill_len, seed=1)
     with torch.inference_mode():
         out["warm_up_s"] = warm_up(model, mtp)  # 编译各张图（不算进下面的计时）；有草稿头时量出这台机器上起草的代价
-        out["draft_cost"] = mtp.draft_cost if mtp is not None else None
+        out["round_cost"] = mtp.round_cost if mtp is not None else None
         generate(model, prompt, 4)
         model(long, State(model), last=True)
         out["prefill_s"] = min(timed(lambda: model(long, State(model), last=True))[0] for _ in range(2))

@@ -83,6 +83,13 @@ def spec_cell(rows: list, k) -> str:
     return f"{s['speedup']:.2f}×" + (f"（猜对 {s['first_acceptance']:.0%}）" if k == "auto" else "")
 
 
+def round_cost_note(q: dict) -> str:
+    """量得的一轮的代价：起草 1～4 个的一轮各花几步普通解码（早先的结果只记了每个草稿的代价 draft_cost）。"""
+    if q.get("round_cost"):
+        return "，量得起草 1～{} 个的一轮各花 {} 步".format(len(q["round_cost"]) - 1, " / ".join(f"{r:.2f}" for r in q["round_cost"][1:]))
+    return f"，量得的起草代价 {q['draft_cost']:.2f} 步" if q.get("draft_cost") is not None else ""
+
+
 def spec_table(res: dict) -> list:
     """受控接受率的投机解码：每种接受率 a、每种 k 的加速比（按解码阶段算），测了投机解码的每种格式一张。"""
     lines = []
@@ -91,7 +98,7 @@ def spec_table(res: dict) -> list:
         if not spec:
             continue
         vocab = f"起草词表 {q['draft_vocab']} 个 token" if q.get("draft_vocab") else "起草给全词表打分"
-        cost = f"，量得的起草代价 {q['draft_cost']:.2f} 步" if q.get("draft_cost") is not None else ""
+        cost = round_cost_note(q)
         gaps = [abs(s["speedup"] - s["speedup_total"]) for s in spec]
         touched = q.get("experts_per_verify")
         experts = "" if not touched else "；一次验证 k + 1 行每层读到的不同专家：" + "、".join(

@@ -22,7 +22,7 @@
 
 from .draft import FastMTP
 from .load import DTYPES, LAYOUTS, describe, load, load_draft, load_model, num_params, preferred_dtype, resolve
-from .warm import measure_draft_cost, warm_up
+from .warm import measure_round_cost, warm_up
 
-__all__ = ["DTYPES", "LAYOUTS", "FastMTP", "describe", "load", "load_draft", "load_model", "measure_draft_cost", "num_params",
+__all__ = ["DTYPES", "LAYOUTS", "FastMTP", "describe", "load", "load_draft", "load_model", "measure_round_cost", "num_params",
            "preferred_dtype", "resolve", "warm_up"]

@@ -7,13 +7,13 @@
 
 import torch
 
-from ..mtp import MTP
+from ..mtp import MAX_DRAFTS, MTP
 from .layers import DECODE_LENGTHS, attach_blocks, speed_up_layer, speed_up_norms
 from .linear import COMPILE_OPTIONS, BlockedLinear, fast_linear, gemv
 from .rows import FileRows, RowReader, head_tensor, tensor_file
 from .step import cache_offsets
 
-# 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章的 best_draft_count），乘以 1/层数。打包的布局读一遍
+# 每多起草一个 token 一轮多花几步普通解码（自动挑草稿数用，第 14 章 best_draft_count 的 round_cost），乘以 1/层数。打包的布局读一遍
 # 权重就能算几行，多验证一行几乎不花钱：起草一次是草稿头的一层（主模型 L 层，约 1/L）加输出头的前 32768 行（0.8B 上又约
 # 1/L），验证多一行约 0.5/L。分块布局上解码一步本身更快，起草与多验证的行相对更贵。warm_up 量出实际代价之前的初值。
 PACKED_COST, BLOCKED_COST = 2.5, 6.0
@@ -60,7 +60,8 @@ def speed_up_mtp(mtp: MTP, path, kernel=None, quantize=None, graphs: bool = Fals
         attach_blocks(mtp)
     mtp.__class__ = FastMTP
     mtp.draft_ids, mtp.draft_note = vocab
-    mtp.draft_cost = (PACKED_COST if kernel is None else BLOCKED_COST) / mtp.cfg.num_hidden_layers
+    each = (PACKED_COST if kernel is None else BLOCKED_COST) / mtp.cfg.num_hidden_layers
+    mtp.round_cost = [1 + each * k for k in range(MAX_DRAFTS + 1)]
     if graphs:  # 起草一个 token、送进上一轮留下的几对：与主模型一样编译成一张图
         mtp.step = torch.compile(MTP.forward.__get__(mtp), dynamic=False, options=COMPILE_OPTIONS)
     mtp.draft_head = None  # 输出头里起草词表的那几行：从检查点读一份（主模型的输出头已换了布局）

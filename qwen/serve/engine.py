@@ -29,7 +29,7 @@ from ..sampling.logprobs import prompt_logprobs
 from ..sample import Sampling
 from .batcher import row_batcher, use_threads
 from .prefix import PrefixCache
-from .schedule import PROMPT_PIECE, batched_draft_cost, last_piece, pieces, reads_apart
+from .schedule import PROMPT_PIECE, batched_round_cost, last_piece, pieces, reads_apart
 
 
 class Closed(RuntimeError):
@@ -201,9 +201,9 @@ class Engine:
             if b > a:
                 resume.feed(self.model, self.mtp, ids[a:b], images and images.part(ids, a, b))
 
-    def draft_cost_now(self) -> float:
-        """贪心的请求每轮按这个代价挑草稿数：随同时生成的请求数变（schedule.batched_draft_cost）。"""
-        return batched_draft_cost(self.mtp.draft_cost, len(self.running))
+    def round_cost_now(self) -> list:
+        """贪心的请求每轮按这组代价挑草稿数：随同时生成的请求数变（schedule.batched_round_cost）。"""
+        return batched_round_cost(self.mtp.round_cost, len(self.running))
 
     def decode(self, request: Request, resume: Resume):
         """生成：剩下的提示词多于一段时先读掉前面的整段（生成时一次读进去的不多于一段），再接着 resume 生成。"""
@@ -214,7 +214,7 @@ class Engine:
         greedy = request.sampling.temperature == 0  # 贪心：起不起草都是同样的 token，草稿数可以随批的大小变
         ids, images, begin = request.ids, request.images, len(resume.tokens)
         tokens, request.run = resume.generate(self.model, self.mtp, ids[begin:], request.max_tokens, request.stop, request.sampling,
-                                    cost_now=self.draft_cost_now if greedy else None,
+                                    cost_now=self.round_cost_now if greedy else None,
                                     images=images and images.part(ids, begin, len(ids)))
         for t in tokens:
             if request.cancelled.is_set():

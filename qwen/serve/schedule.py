@@ -19,7 +19,7 @@ from ..fast.linear import BlockedLinear
 from ..fast.step import FastModel
 from ..mtp import MTP
 
-# 与别的请求一起生成时，贪心的请求多起草一个 token 的代价是单独时（mtp.draft_cost）的这么多倍：单独时矩阵乘法多一行几乎
+# 与别的请求一起生成时，贪心的请求一轮比一步多花的是单独时（mtp.round_cost）的这么多倍：单独时矩阵乘法多一行几乎
 # 不花钱（读权重的时间盖过了乘加），几个请求的行拼在一起之后多的行就不那么便宜了。怎么定的见 docs/performance.md 的
 # “服务：连续批处理”
 BATCHED_DRAFT_COST = 3.5
@@ -41,11 +41,11 @@ def last_piece(start: int, end: int, size: int = PROMPT_PIECE) -> int:
     return start + size * ((end - start - 1) // size) if end > start else start
 
 
-def batched_draft_cost(alone: float, running: int) -> float:
-    """贪心的请求每轮按这个代价挑草稿数（第 14 章 best_draft_count）：只有它一个在生成时是 alone（mtp.draft_cost），
-    与别的请求一起时贵 BATCHED_DRAFT_COST 倍——接受率不够高时就不起草，这一轮就是成批的普通解码。
+def batched_round_cost(alone: list, running: int) -> list:
+    """贪心的请求每轮按这组代价挑草稿数（第 14 章 best_draft_count）：只有它一个在生成时是 alone（mtp.round_cost），
+    与别的请求一起时一轮比一步多花的贵 BATCHED_DRAFT_COST 倍——接受率不够高时就不起草，这一轮就是成批的普通解码。
     采样的请求不用它：草稿数变了，同一个种子抽出的 token 也变，一个请求的输出就会随别的请求而变。"""
-    return alone * (BATCHED_DRAFT_COST if running > 1 else 1.0)
+    return [1 + (r - 1) * (BATCHED_DRAFT_COST if running > 1 else 1.0) for r in alone]
 
 
 def everyone_waits(waiting: list, members: set) -> bool:

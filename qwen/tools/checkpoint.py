@@ -26,7 +26,10 @@ SIZES = {
 }
 
 
-def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) -> Path:
+TILE = 1 << 20  # tiled 时每个大张量由这么多个随机数铺满（4 MB：比缓存大，乘法时照样从内存读）
+
+
+def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0, tiled: bool = False) -> Path:
     """按 cfg 的形状造随机权重，按发布检查点的布局写到 path（含 mtp.*）。
 
     嵌入的每个元素取 N(0, 1)（与 norm 之后的隐藏状态同一尺度），写回残差流的三个投影（o_proj、out_proj、
@@ -34,22 +37,29 @@ def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0) ->
     不会被 bfloat16 的舍入（以及验证时一次算几行带来的舍入差异）改变；否则 24 万个随机 logits 几乎打平，
     “贪心续写”本身都不稳定，受控接受率的实验也就无从谈起。速度与权重的取值无关。
     张量写到哪个分片时才造（save_checkpoint 的 make）：9B、27B 的形状也只占一个分片（2 GB）的内存。
+    tiled：只测速度时，大的张量由一小块（TILE 个）随机数铺满，造 0.8B 的形状快得多；贪心续写就不必当真了。
     """
     gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape):  # N(0, 1)
+        n = math.prod(shape)
+        if not tiled or n <= TILE:
+            return torch.randn(shape, generator=gen)
+        return torch.randn(TILE, generator=gen).repeat(-(-n // TILE))[:n].view(shape)
 
     def fill(name, shape):
         if name.endswith("A_log"):
             return torch.empty(shape).uniform_(1, 16, generator=gen).log()
         if name.endswith("dt_bias"):
-            return torch.randn(shape, generator=gen) * 0.5
+            return normal(shape) * 0.5
         if name.endswith("linear_attn.norm.weight"):
-            return 1 + 0.1 * torch.randn(shape, generator=gen)
+            return 1 + 0.1 * normal(shape)
         if len(shape) == 1:  # 零中心的 norm 权重
-            return 0.1 * torch.randn(shape, generator=gen)
+            return 0.1 * normal(shape)
         if name.endswith("embed_tokens.weight"):
-            return torch.randn(shape, generator=gen).to(dtype)
+            return normal(shape).to(dtype)
         scale = 0.1 if {"o_proj", "out_proj", "down_proj"} & set(name.split(".")[-2:]) else 1.0  # 含堆叠的专家
-        return (torch.randn(shape, generator=gen) * (scale / math.sqrt(shape[-1]))).to(dtype)  # 输入维在最后
+        return (normal(shape) * (scale / math.sqrt(shape[-1]))).to(dtype)  # 输入维在最后
 
     def make(name, meta):  # 写到它的分片时才造：名字去掉前缀（model.language_model.、mtp.），按同样的规则取值
         return fill(name.removeprefix("model.language_model.").removeprefix("mtp."), meta.shape)
