@@ -161,7 +161,8 @@ def prepare(args) -> None:
     if mtp is not None:  # 默认路径上起草一个 token 的代价（自动挑草稿数用）：量一次，记下来
         default, head = load(model.path, quantize=args.quantize, dtype=model.dtype)
         seconds = warm_up(default, head)
-        print(f"默认路径上多起草一个 token 的代价：一步的 {head.draft_cost:.0%}（{seconds:.1f} 秒）", file=sys.stderr)
+        rounds = " / ".join(f"{r:.2f}" for r in head.round_cost[1:])
+        print(f"默认路径上起草 1～{len(head.round_cost) - 1} 个的一轮各花普通解码的 {rounds} 步（{seconds:.1f} 秒）", file=sys.stderr)
 
 
 def cache_folders() -> list:

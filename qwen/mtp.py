@@ -188,8 +188,8 @@ def best_draft_count(a: float, round_cost) -> int:
 
 def spec_round(model, mtp, run: Run, k: int, budget: int):
     """一轮：起草 k 个 → 一次前向验证 [last, d₁…] → 接受一致的前缀 → 提交（或回滚）→ (起草数, 通过数, 本轮的 token, 前向次数)。"""
-    drafts, qs = mtp.draft(model, run, k) if k > 0 else ([], [])  # 1. 起草（k = 0 时这一轮就是普通解码）
-    k = len(drafts)  # 起草头可能少起草几个（文法此刻许的 token 它都不打分时）
+    drafts, qs = mtp.draft(model, run, k) if k > 0 or run.drafter.tokens.shape[1] > PROBE_EVERY else ([], [])  # 1. 起草
+    k = len(drafts)  # 草稿头可能少起草几个（文法此刻许的 token 它都不打分时）；k = 0 时攒下的对太多了也先读掉，不越攒越多
     # 2. 验证：[last, d₁, …, d_k] 一次前向。要回滚时先存档，或让前向记下每个位置之后的状态
     state, start, snap = run.state, run.state.pos, snapshot(run.state) if run.recompute else None
     feed = torch.tensor([[run.tokens[-1]] + drafts], device=run.drafter.tokens.device)  # [1, k+1]

@@ -432,6 +432,7 @@ def test_round_cost_is_asked_every_round(model, mtp):
     never = [1.0, 2.6, 3.5, 4.2, 5.1]  # demo 那样：一轮的固定开销比一步还大
     r = speculate(model, OracleDrafter(mtp, seq, 1.0, seed=1), ids, 80, cost_now=lambda: never)
     assert r.tokens == seq[10:] and r.drafted == 0 and r.rounds == 79
+    assert r.drafter.tokens.shape[1] <= PROBE_EVERY + 1  # 草稿头照样每隔几轮读掉攒下的 (h, e) 对：不越攒越多
 
 
 def test_auto_stops_drafting_when_drafts_are_wrong(model, mtp):

@@ -89,4 +89,4 @@ plt.plot(rows, [min(8 * r, cfg.num_experts) for r in rows], color="gray", linest
 plt.xlabel("rows verified at once, k + 1")
 plt.ylabel("distinct experts read")
 plt.legend()
-print("验证的行数多，读的专家就多：起草几个才划算，要看真实量出的一轮验证的代价（第 14 章 best_draft_count 的 cost）")
+print("验证的行数多，读的专家就多：起草几个才划算，要看真实量出的一轮验证的代价（第 14 章 best_draft_count 的 round_cost）")

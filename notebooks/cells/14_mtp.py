@@ -221,7 +221,7 @@ plt.show()
 #
 #     加速比 S(a, k) = E(a, k) / r_k
 #
-# `best_draft_count` 就是用这个式子（r_k 取 1 + draft_cost·k）按观察到的接受率挑 k 的。曲线是各 k 的 S(a, k)；
+# `best_draft_count(a, round_cost)` 就是用这个式子（r_k 取 warm_up 量出的 round_cost[k]）按观察到的接受率挑 k 的。曲线是各 k 的 S(a, k)；
 # 点是实测的加速比，横坐标取让 E(a, k) 等于实测的每轮 token 数的 a（“等效接受率”）。点离曲线不远；差别来自
 # 实测时间里的预填充、各轮之间的 Python 开销，以及 r_k 取的是中位数。曲线与 y = 1 的交点是这个 k 值得起草的最低接受率。
 

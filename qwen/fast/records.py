@@ -1,5 +1,5 @@
 """附录 · 记在磁盘上的测量结果：这台机器能不能编译 C++ 内核（linear.py 的 can_compile）、起草的代价（fast 的
-draft_cost）、编好的内核放在哪儿（kernel.py 的 kernel_file）。都在 $XDG_CACHE_HOME/qwen/ 下（默认 ~/.cache/qwen/）。
+round_cost）、编好的内核放在哪儿（kernel.py 的 kernel_file）。都在 $XDG_CACHE_HOME/qwen/ 下（默认 ~/.cache/qwen/）。
 
 它只用标准库，不引用 qwen 的别的模块：kernel.py 与 linear.py 都引用它，它不引用它们，依赖只朝一个方向。
 """

@@ -42,11 +42,11 @@ def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
             mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
         mtp.draft_logits(model, hidden[:, :1])
     if mtp is not None and calibrate:
-        key = (f"量法 3 · {model.cfg} · {model.dtype} · {describe(model)} · 草稿词表 {getattr(mtp, 'draft_note', '全词表')} · "
+        key = (f"量法 4 · {model.cfg} · {model.dtype} · {describe(model)} · 草稿词表 {getattr(mtp, 'draft_note', '全词表')} · "
                f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
         cost = read_record("round_cost.json", key)
         if not valid_round_cost(cost) and calibrate != "recorded":  # 没量过这种设置：量一次，记下来（之后的运行用同一组值，带种子的采样才可复现）
-            cost = measure_round_cost(model, mtp, ids)
+            cost = measure_round_cost(model, mtp, torch.arange(1, 33)[None] % model.cfg.vocab_size)  # 32 个 token 的提示词
             write_record("round_cost.json", key, cost)
         mtp.round_cost = cost if valid_round_cost(cost) else mtp.round_cost
     return time.perf_counter() - t0
@@ -58,7 +58,7 @@ def valid_round_cost(cost) -> bool:
             and cost == sorted(cost))
 
 
-def measure_round_cost(model, mtp, ids, rounds: int = 3, per: int = 3) -> list[float]:
+def measure_round_cost(model, mtp, ids, rounds: int = 3, per: int = 6) -> list[float]:
     """这台机器上起草 k 个的一轮投机解码花几步普通解码：[1, r₁, …, r_MAX_DRAFTS]（第 14 章 best_draft_count 的 round_cost）。
     量的是真实的循环：固定起草 k = 1…4 个时每一轮（起草、验证、提交）的间隔 t，紧挨着它再量普通解码每个 token 的间隔 t₀，
     一对一对地比 t / t₀（这一轮真的起草了几个记下来，预算快用完时会少）。内存带宽一会儿快一会儿慢，分开量的 t₀
