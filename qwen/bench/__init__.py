@@ -19,8 +19,8 @@
 结果打印成表，写成 JSON，并画出加速比对接受率的图（需要 matplotlib）。
 
 一个文件一件事：checkpoint.py 造随机权重的检查点；probe.py 机器与模型的事实（带宽、每个 token 读的字节、峰值内存）；
-oracle.py 受控接受率的草稿器；runs.py 子进程里测 qwen 与 transformers；llama.py 测 llama.cpp；report.py 表格与图；
-__main__.py 命令行与轮流测的安排。
+oracle.py 受控接受率的草稿器；scale.py 第 14 章旁边打印的 0.8B 形状一轮的代价；runs.py 子进程里测 qwen 与 transformers；
+llama.py 测 llama.cpp；report.py 表格与图；__main__.py 命令行与轮流测的安排。
 """
 
 

@@ -22,9 +22,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..cache import copy_state, keep_history
 from ..fast import load
 from ..fast.records import read_record, write_record
-from ..cache import copy_state, keep_history
 from ..fast.warm import valid_round_cost
 from ..mtp import MAX_DRAFTS, Run
 from ..tools.checkpoint import random_checkpoint
