@@ -153,7 +153,11 @@ def why(model, mtp, seen) -> None:
         return
     print("  它的一步几乎全是固定开销（权重只有几 MB，装得进缓存）：多验证一行、起草一个 token 都和一步差不多贵。")
     print("  同一台机器上量一量 0.8B 的形状（24 层、宽 1024、随机权重；第一次要几秒，之后读记下的）……", flush=True)
-    full = full_size_costs(model.dtype)
+    try:
+        full = full_size_costs(model.dtype)
+    except (OSError, RuntimeError) as e:  # 临时文件夹放不下约 700 MB、内存不够……：说清楚，不算实验失败
+        print(f"  量不了 0.8B 的形状（{type(e).__name__}: {e}）：要约 700 MB 的临时文件与 2 GB 内存。")
+        return
     rows = " / ".join(f"{t * 1e3:.1f}" for t in full["verify"])
     print(f"  0.8B 的形状：一次前向验证 1～{len(full['verify'])} 行各 {rows} 毫秒，起草一个 {full['draft'] * 1e3:.1f} 毫秒，"
           f"{costs(full['round_cost'])}。")

@@ -310,3 +310,27 @@ def test_chapter_script_takes_the_clis_load_options():
     assert ch14.arguments(["--compile"]).layout == "graphs"
     with pytest.raises(SystemExit, match="--compile 即 --layout graphs，与 --layout packed 矛盾"):
         ch14.arguments(["--compile", "--layout", "packed"])
+
+
+def test_chapter_script_says_when_the_full_shape_cannot_be_measured(monkeypatch, capsys):
+    """第 14 章最后要造约 700 MB 的 0.8B 形状的权重：临时文件夹放不下时一行说明原因与要多少，实验照样结束，没有 traceback；
+    容器里只有 64 MB 的 /dev/shm 不用它。"""
+    import importlib.util
+
+    from qwen.bench import scale
+    from qwen.fast import load
+
+    spec = importlib.util.spec_from_file_location("ch14_mtp", Path(__file__).resolve().parents[1] / "ch14_mtp.py")
+    ch14 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ch14)
+
+    def full(*args, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(scale, "full_size_costs", full)
+    model, mtp = load("demo")
+    ch14.why(model, mtp, [(0.0007, 10, 9)])
+    out = capsys.readouterr().out
+    assert "这个模型：解码一步 0.70 毫秒" in out and "量不了 0.8B 的形状（OSError: [Errno 28] No space left on device）" in out
+    monkeypatch.setattr(scale.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 0, 64 << 20))
+    assert scale.memory_disk() is None

@@ -15,6 +15,7 @@
 """
 
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -45,8 +46,7 @@ def full_size_costs(dtype: torch.dtype | None = None) -> dict:
     saved = read_record("round_cost.json", key)
     if isinstance(saved, dict) and valid_round_cost(saved.get("round_cost")):
         return saved
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # 内存盘（有的话）：约 700 MB 只为量一次，写磁盘要多等几秒
-    with tempfile.TemporaryDirectory(prefix="qwen-0.8b-shape-", dir=shm) as folder:
+    with tempfile.TemporaryDirectory(prefix="qwen-0.8b-shape-", dir=memory_disk()) as folder:
         random_checkpoint(folder, replace(FULL, num_hidden_layers=GROUP, layer_types=[]), tiled=True)
         model, mtp = load(folder, dtype=dtype, draft_vocab=DRAFT_ROWS)
     model.layers = nn.ModuleList(model.layers[i % GROUP] for i in range(FULL.num_hidden_layers))  # 24 层：每组读同样的 4 层
@@ -60,6 +60,15 @@ def full_size_costs(dtype: torch.dtype | None = None) -> dict:
     out = {"step": verify[0], "verify": verify, "draft": draft, "round_cost": sorted(cost)}
     write_record("round_cost.json", key, out)
     return out
+
+
+def memory_disk(need: int = 1 << 30) -> str | None:
+    """/dev/shm（内存盘）能写、还空着 need 字节时用它：约 700 MB 的权重只为量一次，写磁盘要多等几秒。容器里的 /dev/shm
+    常常只有 64 MB：那时用默认的临时文件夹。"""
+    try:
+        return "/dev/shm" if os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free >= need else None
+    except OSError:
+        return None
 
 
 def verify_seconds(model, state, token: int, T: int) -> float:
