@@ -327,9 +327,9 @@ def test_chapter_script_says_when_the_full_shape_cannot_be_measured(monkeypatch,
     def full(*args, **kw):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(scale, "full_size_costs", full)
+    monkeypatch.setattr(ch14, "full_size_costs", full)
     model, mtp = load("demo")
-    ch14.why(model, mtp, [(0.0007, 10, 9)])
+    ch14.why(model, mtp, [(0.0007, 10, 9, 0.8)])
     out = capsys.readouterr().out
     assert "这个模型：解码一步 0.70 毫秒" in out and "量不了 0.8B 的形状（OSError: [Errno 28] No space left on device）" in out
     monkeypatch.setattr(scale.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 0, 64 << 20))

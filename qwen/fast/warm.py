@@ -86,7 +86,6 @@ def measure_round_cost(model, mtp, ids, rounds: int = 3, per: int = 6) -> list[f
             for (drafted, _, _), t in zip(r.trace[1:], times):
                 by_count.setdefault(drafted, []).append(t / t0)
     cost = [1.0]
-    for k in range(1, MAX_DRAFTS + 1):  # 哪个起草数没量到（极少见）：照前一个的增量往后推
-        guess = median(by_count[k]) if by_count.get(k) else 2 * cost[-1] - cost[-2] if k > 1 else 1 + MIN_DRAFT_COST
-        cost.append(float(max(guess, cost[-1], 1 + MIN_DRAFT_COST * k)))
+    for k in range(1, MAX_DRAFTS + 1):  # 哪个起草数没量到（极少见）：取前一个，再由下限托住
+        cost.append(float(max(median(by_count[k]) if by_count.get(k) else cost[-1], cost[-1], 1 + MIN_DRAFT_COST * k)))
     return cost
