@@ -395,6 +395,27 @@ def test_bfloat16_pairs_keep_each_row_its_own():
         assert torch.equal(linear.dense(), w)
 
 
+def test_prefill_rows_in_pieces_are_each_row_alone():
+    """行多时（预填充）matvec 一段一段地乘（一段的输入约 256 KB，留在 L2 里）：输入维 4100 时 float32 一段 8 行、int8、int4
+    一段 56 行、一对一对的 bfloat16 一段 24 行，70 行跨了几段，每一行仍与单独乘它时逐位相同。一对一对的 bfloat16 多于 32 行
+    也走这个内核（不拼回普通布局），与定义只差在求和与输出的舍入之内。"""
+    kernel = load_matvec()
+    w = torch.randn(100, 4100, generator=torch.Generator().manual_seed(11))
+    x = torch.randn(70, 4100, generator=torch.Generator().manual_seed(12))
+    kinds = weight_kinds(kernel, w)
+    if kernel.pairs is not None:
+        kinds.append((BlockedLinear(w.bfloat16(), kernel).blocks, None))
+    for blocks, s in kinds:
+        xs = x.bfloat16() if blocks.dim() == 4 and blocks.dtype == torch.bfloat16 else x
+        alone = torch.cat([kernel.matvec(xs[i : i + 1], blocks, s) for i in range(70)])
+        assert torch.equal(kernel.matvec(xs, blocks, s), alone), (blocks.dtype, blocks.dim())
+    if kernel.pairs is not None:
+        linear = BlockedLinear(w.bfloat16(), kernel)
+        y = linear(x.bfloat16())
+        assert torch.equal(y, torch.cat([linear(x[i : i + 1].bfloat16()) for i in range(70)]))
+        assert torch.allclose(y.float(), x.bfloat16().float() @ w.bfloat16().float().t(), rtol=1e-2, atol=0.5)
+
+
 def weight_kinds(kernel, w):
     """w 的四种分块：float32、bfloat16、int8（带比例）、int4（带每 32 个输入的比例）→ [(blocks, scales)]。"""
     int8, int4 = BlockedLinear(w, kernel, quantize="int8"), BlockedLinear(w, kernel, quantize="int4")

@@ -7,7 +7,8 @@
   1 到 8 行输入（投机解码一次验证几个 token）读的都是同样一遍权重。bfloat16 内核在 4 行时读得最快，不足 4 行就补零行。
 - BlockedLinear（layout="blocked" 与 "graphs"，能编译 C++ 时默认）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；matvec.cpp 的小循环（kernel.py
   编译一次）逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。两个线程各自顺序读自己那一半，硬件预取最顺手。
-  行数多时（长的预填充）每个乘加读到的权重少，就先拼回普通布局交给 F.linear。
+  行数多时（长的预填充）每个乘加读到的权重少，就先拼回普通布局交给 F.linear；有 AVX-512 BF16 时一对一对存放的
+  bfloat16（vdpbf16ps）与 int8、int4（vpdpbusd）不拼回，matvec 一段一段地乘全部行，与 oneDNN 一样快。
 - gemv：一行输入乘普通布局的权重时绕开 oneDNN，用 PyTorch 自己的 gemv（草稿头给输出头的前几万行打分时用）。
 
 几个读同一输入的矩阵（q/k/v，gate/up，DeltaNet 的四个输入投影）拼成一个再换布局：调用少了，一次连续读一大块也更快。
@@ -232,8 +233,11 @@ class BlockedLinear(nn.Module):
         # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear。两种情形总用 C++ 的（见 docs/performance.md）：CPU 没有 bfloat16
         # 指令时 oneDNN 不接手，PyTorch 自带的 bfloat16 矩阵乘法比 C++ 的 matvec 慢得多；块的 dtype 与模型的不同
         # （float32 的模型、bfloat16 或 int8 的块）时每次拼回都要把整个矩阵转一遍 dtype，这一遍抵掉了 F.linear 省下的
+        # 一对一对的 bfloat16 也总用 C++ 的：vdpbf16ps 的内核在 512 行时与 oneDNN 一样快（两个核的乘加都满了），64 行时
+        # 快 1.6 倍，还省了拼回的那一遍（数字见 docs/performance.md）；预填充的每一行因此与单独解码它时逐位相同
         fast_gemm = self.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        self.kernel_rows = KERNEL_ROWS if fast_gemm and self.blocks.dtype == self.dtype else float("inf")
+        plain = self.blocks.dtype == self.dtype and self.blocks.dim() == 3
+        self.kernel_rows = KERNEL_ROWS if fast_gemm and plain else float("inf")
 
     def dense(self) -> torch.Tensor:
         """拼回普通布局 [out, in]（int8 的乘回比例，int4 的反量化），长的预填充交给 F.linear。"""

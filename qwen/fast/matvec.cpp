@@ -244,11 +244,13 @@ int64_t ahead(int64_t M) {
 // 乘 w 的第 b…b+N−1 块（N 块相邻）：行多于 GROUP 时每块分几组乘，后几组读的是刚读过、还在缓存里的那几块。AVX2 上行数
 // 除以 GROUP 余 1 时（4、7、10……行）第一组乘 4 行：不然最后一组只有 1 行，为它把权重再转一遍 float32。4 行的 16 个
 // 累加向量放不下寄存器，编译器把几个留在 L1 里，乘加慢一些；放在第一组，正好与从内存读这一块的时间重叠
+// 第 m0…m1−1 行（M = m1 − m0）
 template <typename W, int N>
-void tile(const float* x, int64_t M, int64_t n_in, const W* w, Out y, int64_t B, int64_t b) {
+void tile(const float* x, int64_t m0, int64_t m1, int64_t n_in, const W* w, Out y, int64_t B, int64_t b) {
   float acc[N * (GROUP + 1) * BLOCK];
-  for (int64_t m = 0, g = 0; m < M; m += g) {
-    g = WIDTH == 8 && m == 0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(M - m, GROUP);
+  const int64_t M = m1 - m0;
+  for (int64_t m = m0, g = 0; m < m1; m += g) {
+    g = WIDTH == 8 && m == m0 && M > 1 && M % GROUP == 1 ? GROUP + 1 : std::min<int64_t>(m1 - m, GROUP);
     rows_of<W, N>(g)(x + m * n_in, n_in, w + b * n_in * BLOCK, ahead<W>(M), acc);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r)
@@ -261,6 +263,13 @@ void tile(const float* x, int64_t M, int64_t n_in, const W* w, Out y, int64_t B,
 inline int64_t adjacent_blocks(int acc, int64_t rows) {
   const int64_t fit = acc / (LANES * rows);
   return fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+}
+
+// 行多时（预填充）一段一段地乘：一段的输入（约 256 KB）留在 L2 里，各块挨个读它。不分段时每一块都要把全部行的输入
+// 从 L3、内存再读一遍（512 行 × 3584 个输入的 int8 就是 1.8 MB，再乘 32 块）。一段几行（group 的倍数；每行 row_bytes
+// 字节）；每一行的结果与分不分段无关
+inline int64_t chunk_rows(int64_t M, int64_t row_bytes, int64_t group) {
+  return std::min<int64_t>(M, std::max<int64_t>(group, 262144 / row_bytes / group * group));
 }
 
 // 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那一段：每 N 块一份，tile(n, b) 乘第 b 起的 n 块
@@ -283,7 +292,11 @@ void for_tiles(int64_t B, int64_t N, int64_t work, F tile) {
 template <typename W>
 void matvec(const float* x, int64_t M, int64_t n_in, const W* w, Out y, int64_t B) {
   const int64_t N = adjacent_blocks(WIDTH == 16 ? 16 : 8, std::min<int64_t>(M, GROUP));
-  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { tile<W, decltype(n)::value>(x, M, n_in, w, y, B, b); });
+  const int64_t rows = chunk_rows(M, n_in * 4, GROUP);
+  for (int64_t m0 = 0; m0 < M; m0 += rows)
+    for_tiles(B, N, B * n_in, [&](auto n, int64_t b) {
+      tile<W, decltype(n)::value>(x, m0, std::min(M, m0 + rows), n_in, w, y, B, b);
+    });
 }
 
 // 加载时换布局：矩阵 src [n, in] 是上下拼接的大矩阵里从第 row0 行起的 n 行，写进分块布局 out [B, in, 32] 里对应的位置，
@@ -537,14 +550,15 @@ int64_t int_ahead(int64_t M) {
   return 2 * AHEAD * BLOCK;
 }
 
+// 第 m0…m1−1 行乘第 b 起的 N 块，每 QROWS 行一组
 template <typename Q, int N>
-void int_tile(const QuantizedRows& x, int64_t M, int64_t groups, const uint8_t* w, const void* s, Out y,
+void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, const uint8_t* w, const void* s, Out y,
               int64_t B, int64_t b) {
   static const auto table = int_table<Q, N>(std::make_index_sequence<QROWS>{});
   float acc[N * QROWS * BLOCK];
-  for (int64_t m = 0, g = 0; m < M; m += g) {
-    g = std::min<int64_t>(M - m, QROWS);
-    table[g - 1](x, m, groups, w + b * groups * (QIN / 4) * Q::QUAD, block_scales<Q>(s, groups, b), int_ahead<Q>(M), acc);
+  for (int64_t m = m0, g = 0; m < m1; m += g) {
+    g = std::min<int64_t>(m1 - m, QROWS);
+    table[g - 1](x, m, groups, w + b * groups * (QIN / 4) * Q::QUAD, block_scales<Q>(s, groups, b), int_ahead<Q>(m1 - m0), acc);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r)
         y.put((m + r) * B * BLOCK + (b + n) * BLOCK, acc + (n * g + r) * BLOCK);
@@ -558,7 +572,11 @@ void matvec_quantized(const QuantizedRows& xq, int64_t M, int64_t n_in, const ui
   const int64_t groups = (n_in + QIN - 1) / QIN;
   // float32 的累加向量只算一半的寄存器：整数的另有同样多
   const int64_t N = adjacent_blocks(WIDTH == 16 ? 8 : 4, std::min<int64_t>(M, QROWS));
-  for_tiles(B, N, B * n_in, [&](auto n, int64_t b) { int_tile<Q, decltype(n)::value>(xq, M, groups, w, s, y, B, b); });
+  const int64_t rows = chunk_rows(M, groups * QIN, QROWS);
+  for (int64_t m0 = 0; m0 < M; m0 += rows)
+    for_tiles(B, N, B * n_in, [&](auto n, int64_t b) {
+      int_tile<Q, decltype(n)::value>(xq, m0, std::min(M, m0 + rows), groups, w, s, y, B, b);
+    });
 }
 
 template <typename Q>

@@ -7,7 +7,7 @@
 | BLOCK | 32 | 分块布局每块的输出个数：matvec.cpp 每读一块权重乘加进每行的 32 个累加器 |
 | QGROUP | 32 | int4 每个输出每这么多个输入一个比例；int8、int4 的内核把输入也按这么多个一组量化 |
 | PAD_ROWS | 4 | oneDNN 打包的 bfloat16 内核（packed 布局）不足这么多行时补零行 |
-| KERNEL_ROWS | 32 | 不超过这么多行时矩阵乘法用 C++ 的 matvec（每行各算各的）；更多行（长的预填充）拼回普通布局或走 AMX |
+| KERNEL_ROWS | 32 | 不超过这么多行时矩阵乘法用 C++ 的 matvec（每行各算各的）；更多行（长的预填充）走 AMX，或拼回普通布局（int8、int4 与一对一对存放的 bfloat16 不拼回，仍用 matvec） |
 
 一次前向有几个 token（layers.py、step.py、serve/）：
 
