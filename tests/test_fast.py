@@ -10,8 +10,8 @@ import torch
 
 from qwen import Model, State, generate
 from qwen.fast import load_draft, load_model
-from qwen.deltanet import recurrent_gated_delta_rule
-from qwen.fast.layers import DECODE_LENGTHS, recurrent_in_place
+from qwen.deltanet import recurrent_gated_delta_rule, state_after
+from qwen.fast.layers import DECODE_LENGTHS, chunk_rule, recurrent_in_place
 from qwen.fast.linear import (BLOCK, KERNEL_ROWS, BlockedLinear, PackedLinear, dequantize_int4, from_blocks, load_matvec,
                               matvec_blocks, quantize_int8, to_blocks)
 from qwen.fast.rows import FileEmbedding, FileRows, RowReader
@@ -393,6 +393,17 @@ def test_bfloat16_pairs_keep_each_row_its_own():
             assert torch.equal(linear(x[:rows]), alone[:rows]), (n_in, rows)
         assert torch.allclose(alone.float(), x.float() @ w.float().t(), rtol=1e-2, atol=0.05)
         assert torch.equal(linear.dense(), w)
+
+
+def test_fast_chunk_rule_is_the_recurrence():
+    """快路径的分块形式（块长 DELTA_CHUNK = 32，第 8 章 64）：100 个 token 的输出与最终状态与逐 token 递推相同（float32 的
+    舍入之内）；要逐位置状态时（40 个 token：比快路径的块长，不比第 8 章的长）照第 8 章的块长，给得出每个位置之后的 S。"""
+    q, k, v, g, beta, S0 = inputs(100, seed=3)
+    o1, S1, _ = recurrent_gated_delta_rule(q, k, v, g, beta, S0)
+    o2, S2, _ = chunk_rule(q, k, v, g, beta, S0)
+    assert (o1 - o2).abs().max().item() <= 1e-4 and (S1 - S2).abs().max().item() <= 1e-4
+    _, S, parts = chunk_rule(*(t[:, :, :40] for t in (q, k, v, g, beta)), S0, keep_all=True)
+    assert (state_after(parts, 39) - S).abs().max().item() <= 1e-4
 
 
 def test_prefill_rows_in_pieces_are_each_row_alone():

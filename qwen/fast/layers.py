@@ -3,7 +3,8 @@
 变换不新建模块、不动参数的名字：把已加载的普通模块换成这里的子类（module.__class__ = 子类，对象还是那个对象），
 再把它的 nn.Linear 换成 linear.py 的布局。子类只改写章节里留好的小方法：
 - project：读同一输入的几个投影拼成一个矩阵，一次乘完再切开；
-- delta_rule：解码与验证草稿（不多于 VERIFY_ROWS 个 token）时 DeltaNet 用就地更新的递推（recurrent_in_place）；
+- delta_rule：解码与验证草稿（不多于 VERIFY_ROWS 个 token）时 DeltaNet 用就地更新的递推（recurrent_in_place），更长的用
+  第 8 章的分块形式、块长 DELTA_CHUNK（chunk_rule）；
   分块布局上（有 C++ 内核时）DeltaNet 层的这一段整个交给 deltanet.cpp，一个位置一次调用（FastDeltaNet.step）；
 - attend：解码一个 token、缓存又不短时按键值头分组成一次矩阵乘法（attend_cache），验证几个草稿时逐个查询地算；在 step.py
   编译的图里，KV 缓存的写入与读取是自定义算子 cached_attention（图把它当黑盒，缓存每步变长也不重新编译）；
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import Attention
-from ..chunk import chunk_gated_delta_rule
+from ..chunk import CHUNK, chunk_gated_delta_rule
 from ..deltanet import GatedDeltaNet, recurrent_gated_delta_rule
 from ..layer import DecoderLayer
 from ..mlp import MLP
@@ -33,7 +34,7 @@ from .kernel import AttentionParams, DeltaNetParams, LayerParams, Lin, MoeParams
 from .linear import BlockedLinear, fast_linear
 from .padded import PaddedRows
 from .share import can_share, current, layer_many
-from .sizes import COMPILED_PIECE, DECODE_LENGTHS, GROUPED_FROM, STEP_ROWS, VERIFY_ROWS  # noqa: F401  别处从这里取
+from .sizes import COMPILED_PIECE, DECODE_LENGTHS, DELTA_CHUNK, GROUPED_FROM, STEP_ROWS, VERIFY_ROWS  # noqa: F401  别处从这里取
 
 # 一次前向有几个 token 时走哪条路（DECODE_LENGTHS、VERIFY_ROWS、STEP_ROWS、GROUPED_FROM、COMPILED_PIECE）：sizes.py 的表。
 # STEP_ROWS：DeltaNet 层由 C++ 的 deltanet_step 逐个位置地走（FastDeltaNet.step）：验证草稿必须这样算（与解码逐位相同）；
@@ -253,6 +254,11 @@ class FastDeltaNet(GatedDeltaNet):
         return row_by_row(super().gates, b, a)
 
 
+def chunk_rule(q, k, v, g, beta, S, keep_all: bool = False):
+    """第 8 章的分块形式，块长 DELTA_CHUNK（sizes.py）；要逐位置状态（keep_all，只支持一块）时照第 8 章的块长。"""
+    return chunk_gated_delta_rule(q, k, v, g, beta, S, keep_all, chunk=CHUNK if keep_all else DELTA_CHUNK)
+
+
 def row_by_row(fn, *xs, dim: int = -2):
     """fn 作用在 xs（沿 dim 维有 T 行，输出的行在倒数第二维）上。1 < T ≤ VERIFY_ROWS 时一行一行地算再拼起来：不编译时
     PyTorch 的逐元素运算按张量的总元素数把前面的部分交给向量化的代码、剩下的尾巴交给标量代码，两者的 exp 差一点舍入；
@@ -281,7 +287,7 @@ class FastDecoderLayer(DecoderLayer):
         return self.ffn.down_proj.dtype
 
     def delta_rule(self, T: int):
-        return recurrent_in_place if T <= VERIFY_ROWS else chunk_gated_delta_rule  # 验证草稿时也递推：与解码逐位相同
+        return recurrent_in_place if T <= VERIFY_ROWS else chunk_rule  # 验证草稿时也递推：与解码逐位相同
 
     def forward(self, x, cos, sin, state=None, valid=None):
         """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导）且有 layer.cpp 的常量时：有缓存、没有左填充就整层

@@ -233,8 +233,8 @@ class BlockedLinear(nn.Module):
         # 多于 KERNEL_ROWS 行时拼回普通布局交给 F.linear。两种情形总用 C++ 的（见 docs/performance.md）：CPU 没有 bfloat16
         # 指令时 oneDNN 不接手，PyTorch 自带的 bfloat16 矩阵乘法比 C++ 的 matvec 慢得多；块的 dtype 与模型的不同
         # （float32 的模型、bfloat16 或 int8 的块）时每次拼回都要把整个矩阵转一遍 dtype，这一遍抵掉了 F.linear 省下的
-        # 一对一对的 bfloat16 也总用 C++ 的：vdpbf16ps 的内核在 512 行时与 oneDNN 一样快（两个核的乘加都满了），64 行时
-        # 快 1.6 倍，还省了拼回的那一遍（数字见 docs/performance.md）；预填充的每一行因此与单独解码它时逐位相同
+        # 一对一对的 bfloat16 也总用 C++ 的：vdpbf16ps 的内核几百行时与 oneDNN 一样快、几十行时更快，还省了拼回的那一遍
+        # （数字见 docs/performance.md）；预填充的每一行因此与单独解码它时逐位相同
         fast_gemm = self.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
         plain = self.blocks.dtype == self.dtype and self.blocks.dim() == 3
         self.kernel_rows = KERNEL_ROWS if fast_gemm and plain else float("inf")

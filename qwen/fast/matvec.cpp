@@ -473,17 +473,20 @@ QuantizedRows quantize_rows(const X* x, int64_t M, int64_t n_in, int64_t groups)
   return r;
 }
 
-// G 行（量化好的输入，从第 m0 行起）乘相邻的 N 块 → out [N, G, 32]。int4：每组的整数和乘 (权重的比例 · dx)；
-// int8：乘 dx，全部组加完再乘每个输出的比例
+// G 行（量化好的输入，从第 m0 行起）的第 c0…c1−1 组输入乘相邻的 N 块，累加进 out [N, G, 32]（c0 = 0 时从 0 起）。
+// int4：每组的整数和乘 (权重的比例 · dx)；int8：乘 dx，全部组加完（c1 = groups）再乘每个输出的比例。
+// 一组一组分几次乘与一次乘完逐位相同：累加器存进 out、再读出来是精确的，每个输出的乘加顺序不变
 template <typename Q, int G, int N>
-void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t* w, const void* scales, int64_t ahead,
-              float* out) {
+void int_rows(const QuantizedRows& x, int64_t m0, int64_t c0, int64_t c1, int64_t groups, const uint8_t* w,
+              const void* scales, int64_t ahead, float* out) {
   const int64_t stride = groups * (QIN / 4) * Q::QUAD;  // 一块几个字节
   vec acc[N][G][LANES];
-  for (int n = 0; n < N; ++n)
-    for (int g = 0; g < G; ++g)
-      for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
-  for (int64_t c = 0; c < groups; ++c) {
+  if (c0 > 0) std::memcpy(acc, out, sizeof acc);
+  else
+    for (int n = 0; n < N; ++n)
+      for (int g = 0; g < G; ++g)
+        for (int k = 0; k < LANES; ++k) acc[n][g][k] = vec{};
+  for (int64_t c = c0; c < c1; ++c) {
     ivec dot[N][G][LANES];  // 这一组的整数和，从 −offset · Σ xq 起
     for (int g = 0; g < G; ++g) {
       const int32_t sum = x.sum[(m0 + g) * groups + c];
@@ -517,7 +520,7 @@ void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t*
         }
       }
   }
-  if constexpr (std::is_same_v<Q, Int8>)
+  if (std::is_same_v<Q, Int8> && c1 == groups)
     for (int n = 0; n < N; ++n)
       for (int k = 0; k < LANES; ++k) {
         const vec s = load(static_cast<const float*>(scales) + n * BLOCK + k * WIDTH);
@@ -531,7 +534,8 @@ void int_rows(const QuantizedRows& x, int64_t m0, int64_t groups, const uint8_t*
 constexpr int QROWS = WIDTH == 16 ? 8 : 2;
 
 template <typename Q, int N, size_t... G>
-std::array<void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const void*, int64_t, float*), sizeof...(G)>
+std::array<void (*)(const QuantizedRows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const void*, int64_t, float*),
+           sizeof...(G)>
 int_table(std::index_sequence<G...>) {
   return {&int_rows<Q, int(G) + 1, N>...};
 }
@@ -550,18 +554,26 @@ int64_t int_ahead(int64_t M) {
   return 2 * AHEAD * BLOCK;
 }
 
-// 第 m0…m1−1 行乘第 b 起的 N 块，每 QROWS 行一组
+// 第 m0…m1−1 行乘第 b 起的 N 块，每 QROWS 行一组。行多于一组时（预填充）输入维也分段：一块权重的一段（约 16 KB）
+// 留在 L1 里，各组行挨个乘它，累加器在 acc 里等下一段；不分段时输入维长的块（3584 个输入的 int8 一块 112 KB）每组行
+// 都要从 L2 再读一遍。解码、验证（一组行）不分段
 template <typename Q, int N>
 void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, const uint8_t* w, const void* s, Out y,
               int64_t B, int64_t b) {
   static const auto table = int_table<Q, N>(std::make_index_sequence<QROWS>{});
-  float acc[N * QROWS * BLOCK];
-  for (int64_t m = m0, g = 0; m < m1; m += g) {
-    g = std::min<int64_t>(m1 - m, QROWS);
-    table[g - 1](x, m, groups, w + b * groups * (QIN / 4) * Q::QUAD, block_scales<Q>(s, groups, b), int_ahead<Q>(m1 - m0), acc);
+  constexpr int64_t SIZE = N * QROWS * BLOCK;  // 一组行的累加器
+  const int64_t seg = m1 - m0 > QROWS ? std::max<int64_t>(1, 16384 / ((QIN / 4) * Q::QUAD)) : groups;
+  std::vector<float> acc((m1 - m0 + QROWS - 1) / QROWS * SIZE);
+  const uint8_t* wb = w + b * groups * (QIN / 4) * Q::QUAD;
+  for (int64_t c = 0; c < groups; c += seg)
+    for (int64_t m = m0; m < m1; m += QROWS)
+      table[std::min<int64_t>(m1 - m, QROWS) - 1](x, m, c, std::min(groups, c + seg), groups, wb, block_scales<Q>(s, groups, b),
+                                                  int_ahead<Q>(m1 - m0), &acc[(m - m0) / QROWS * SIZE]);
+  for (int64_t m = m0; m < m1; m += QROWS) {
+    const int64_t g = std::min<int64_t>(m1 - m, QROWS);
     for (int n = 0; n < N; ++n)
       for (int64_t r = 0; r < g; ++r)
-        y.put((m + r) * B * BLOCK + (b + n) * BLOCK, acc + (n * g + r) * BLOCK);
+        y.put((m + r) * B * BLOCK + (b + n) * BLOCK, &acc[(m - m0) / QROWS * SIZE + (n * g + r) * BLOCK]);
   }
 }
 
