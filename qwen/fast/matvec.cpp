@@ -502,7 +502,7 @@ void int_rows(const QuantizedRows& x, int64_t m0, int64_t c0, int64_t c1, int64_
       }
       for (int n = 0; n < N; ++n) {
         const uint8_t* wn = w + n * stride + (c * QIN / 4 + p) * Q::QUAD;
-        __builtin_prefetch(wn + ahead);  // ahead = 0 时预取的是正要读的这一份（不起作用）
+        if (ahead) __builtin_prefetch(wn + ahead);
         for (int k = 0; k < LANES; ++k) {
           const ivec wv = Q::weights(wn, k);
           for (int g = 0; g < G; ++g) dot[n][g][k] = Q::dot(dot[n][g][k], wv, xs[g]);
@@ -563,7 +563,9 @@ void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, co
   static const auto table = int_table<Q, N>(std::make_index_sequence<QROWS>{});
   constexpr int64_t SIZE = N * QROWS * BLOCK;  // 一组行的累加器
   const int64_t seg = m1 - m0 > QROWS ? std::max<int64_t>(1, 16384 / ((QIN / 4) * Q::QUAD)) : groups;
-  std::vector<float> acc((m1 - m0 + QROWS - 1) / QROWS * SIZE);
+  float one[SIZE];  // 解码、验证：一组行，累加器在栈上（每块都分配一次堆内存，几块的矩阵就慢几个百分点）
+  std::vector<float> many(m1 - m0 > QROWS ? (m1 - m0 + QROWS - 1) / QROWS * SIZE : 0);
+  float* acc = m1 - m0 > QROWS ? many.data() : one;
   const uint8_t* wb = w + b * groups * (QIN / 4) * Q::QUAD;
   for (int64_t c = 0; c < groups; c += seg)
     for (int64_t m = m0; m < m1; m += QROWS)
