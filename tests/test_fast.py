@@ -349,20 +349,6 @@ def test_blocks_round_trip_and_matvec(out):
     assert torch.allclose(load_matvec().matvec(x, blocks), y, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(45, 24), (70, 33), (300, 1024)])
-def test_paired_blocks_back_to_the_plain_layout(shape):
-    """长的预填充把一对一对的 bfloat16 拼回普通布局（C++ 的 from_pairs）：与原来的矩阵逐位相同，与 PyTorch 的跨步复制
-    （from_blocks）也逐位相同；输出不是 32 的倍数、输入是奇数个时去掉补的行与输入。"""
-    kernel = load_matvec()
-    if kernel.pairs is None:
-        pytest.skip("这台 CPU 没有 AVX-512 BF16：bfloat16 的矩阵不按一对一对存放")
-    w = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1])).to(torch.bfloat16)
-    linear = BlockedLinear(w, kernel, dtype=torch.bfloat16)
-    assert linear.blocks.dim() == 4
-    dense = linear.dense()
-    assert torch.equal(dense, w) and torch.equal(dense, from_blocks(linear.blocks, *shape))
-
-
 def test_matvec_rows_do_not_depend_on_how_many_are_computed_together():
     """C++ 的 matvec 每一行与单独乘它时逐位相同，不论一次乘几行、怎样分组（AVX2 上 3 行一组、余 1 时第一组 4 行，AVX-512
     上 8 行一组）、一次乘相邻的几块（行少时 2 或 4 块），float32、bfloat16、int8、int4 的块都是：投机解码验证的行、服务时拼在一起的

@@ -94,7 +94,6 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     **{f"quantize_int8_{t}": [PTR, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
     **{f"quantize_int4_{t}": [PTR, I64, I64, I64, PTR, PTR] for t in ("f32", "bf16")},
     **{f"to_pairs_{t}": [PTR, I64, I64, I64, PTR] for t in ("f32", "bf16")},
-    "from_pairs": [PTR, I64, I64, PTR],
     "rms_norm": [PTR, I64, I64, PTR, ctypes.c_float, PTR],
     "gemm_pairs_amx": [PTR, I64, I64, PTR, I64, PTR],
     "gemm_i8_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
@@ -292,13 +291,6 @@ class Kernel:
             name = f"to_pairs_{NAMES[src.dtype]}" if pairs else f"to_blocks_{NAMES[src.dtype]}_{NAMES[dtype]}"
             getattr(self.lib, name)(src.data_ptr(), p.shape[0], n_in, row0, out.data_ptr())
             row0 += p.shape[0]
-        return out
-
-    def from_pairs(self, blocks: torch.Tensor) -> torch.Tensor:
-        """一对一对的 bfloat16 [B, P, 32, 2] → [2P, B·32]（普通布局 [out, in] 的转置，含补的行与输入）：to_pairs 的逆，一次复制。"""
-        B, P = blocks.shape[:2]
-        out = torch.empty(2 * P, B * BLOCK, dtype=torch.bfloat16)
-        self.lib.from_pairs(blocks.data_ptr(), B, P, out.data_ptr())
         return out
 
     def quantize_int4(self, parts, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:

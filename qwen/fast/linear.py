@@ -243,8 +243,6 @@ class BlockedLinear(nn.Module):
         """拼回普通布局 [out, in]（int8 的乘回比例，int4 的反量化），长的预填充交给 F.linear。"""
         if self.blocks.dtype == torch.uint8:
             return from_blocks(dequantize_int4(self.blocks, self.scales, self.in_features), self.out_features).to(self.dtype)
-        if self.blocks.dim() == 4 and self.blocks.dtype == torch.bfloat16:  # 一对一对的 bfloat16：C++ 顺序地搬，快几倍
-            return self.kernel.from_pairs(self.blocks)[: self.in_features, : self.out_features].t().to(self.dtype)
         w = from_blocks(self.blocks, self.out_features, self.in_features)
         return w.to(self.dtype) if self.scales is None else (w * self.scales.flatten()[: self.out_features, None]).to(self.dtype)
 

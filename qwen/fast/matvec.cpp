@@ -710,23 +710,6 @@ void to_pairs_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, u
 void to_pairs_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
   to_blocks(src, n, n_in, row0, out, float_to_bf16, true);
 }
-// to_pairs 的逆：一对一对的 w [B, P, 32, 2] → 普通布局的转置 out [2P, B·32]（第 2p + t 个输入、第 32b + j 个输出）。长的
-// 预填充拼回普通布局交给 F.linear 时用：每块顺序读（一对一对的 128 个字节正好用完），每行写 32 个相邻的数；PyTorch 的
-// 跨步复制逐个元素地搬，慢几倍。只是搬数，结果与 linear.py 的 from_blocks 逐位相同
-void from_pairs(const uint16_t* w, int64_t B, int64_t P, uint16_t* out) {
-  const int64_t cols = B * BLOCK;
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t p = 0; p < P; ++p) {
-      const uint16_t* src = w + (b * P + p) * BLOCK * 2;
-      uint16_t* even = out + 2 * p * cols + b * BLOCK;
-      uint16_t* odd = even + cols;
-      for (int64_t j = 0; j < BLOCK; ++j) {
-        even[j] = src[2 * j];
-        odd[j] = src[2 * j + 1];
-      }
-    }
-}
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // x [M, 2P] bfloat16（P 对）乘 Pair 布局的 w [B, P, 32, 2] → y [M, B·32] bfloat16
 void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, void* y, int64_t B) {
