@@ -32,6 +32,8 @@ from .sizes import BLOCK, QGROUP
 
 SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp", "attention.cpp",
                                                  "layer.cpp")]  # 编进同一个 .so
+# 各自编成 .o、同时编译的几份：matvec.cpp 最大，分成浮点与整数两半各编一遍（QWEN_PART），两个核都用上
+UNITS = [(SOURCES[0], ["-DQWEN_PART=1"]), (SOURCES[0], ["-DQWEN_PART=2"]), *((src, []) for src in SOURCES[1:])]
 # 块的宽度与量化的组长由这里交给 C++（sizes.py 是唯一的出处）
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
          f"-DQWEN_BLOCK={BLOCK}", f"-DQWEN_QGROUP={QGROUP}"]
@@ -60,11 +62,11 @@ def build(cxx: str, out: Path, flags=FLAGS) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    objs = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
+    objs = [f"{tmp}.{i}.o" for i in range(len(UNITS))]
     try:
-        jobs = [subprocess.Popen([cxx, "-c", str(src), "-o", obj, *flags], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True) for src, obj in zip(SOURCES, objs)]
-        errors = [(src, job.communicate()[1]) for src, job in zip(SOURCES, jobs)]  # 等每一个编完
+        jobs = [subprocess.Popen([cxx, "-c", str(src), "-o", obj, *flags, *extra], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True) for (src, extra), obj in zip(UNITS, objs)]
+        errors = [(src, job.communicate()[1]) for (src, _), job in zip(UNITS, jobs)]  # 等每一个编完
         failed = [f"{src.name}：{err.strip()[-600:]}" for (src, err), job in zip(errors, jobs) if job.returncode != 0]
         if not failed:
             done = subprocess.run([cxx, *objs, "-o", tmp, *flags], capture_output=True, text=True)

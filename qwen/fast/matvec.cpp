@@ -648,10 +648,11 @@ void quantize_int4(const S* src, int64_t n, int64_t n_in, int64_t row0, uint8_t*
 
 }  // namespace
 
-// kernel.py 用 ctypes 调用的入口：名字里是权重（源）与结果的 dtype
+// kernel.py 用 ctypes 调用的入口：名字里是权重（源）与结果的 dtype。这个文件编两遍，两个编译同时跑（kernel.py 的 UNITS，
+// 第一次编译少等一些，数字见 docs/performance.md）：QWEN_PART=1 只生成浮点的入口，2 只生成 int8、int4 的，各自只展开用到的模板
 extern "C" {
+#if !defined(QWEN_PART) || QWEN_PART == 1  // 浮点：bfloat16、float32 的块、一对一对的 bfloat16、换布局
 int matvec_width() { return WIDTH; }  // 编出来的向量有几个 float32 宽：16（AVX-512）或 8（AVX2 及别的）
-int matvec_vnni() { return VNNI; }  // int8、int4 的整数点积是不是一条 vpdpbusd（VNNI）
 int matvec_fma() {                   // 乘加是不是一条 FMA（不是的话先乘、舍入，再加）
 #if defined(__FMA__) || defined(__AVX512F__)
   return 1;
@@ -666,31 +667,6 @@ void matvec_f32(const float* x, int64_t, int64_t M, int64_t n_in, const float* w
 void matvec_bf16(const float* x, int64_t, int64_t M, int64_t n_in, const uint16_t* w, const float*, void* y, int64_t B,
                  int64_t y_bf16) {
   matvec(x, M, n_in, w, Out{y, y_bf16 != 0}, B);
-}
-void matvec_i8(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const int8_t* w, const float* s, void* y, int64_t B,
-               int64_t y_bf16) {
-  matvec_int<Int8>(x, x_bf16 != 0, M, n_in, reinterpret_cast<const uint8_t*>(w), s, Out{y, y_bf16 != 0}, B);
-}
-void matvec_q4(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, void* y, int64_t B,
-               int64_t y_bf16) {
-  matvec_int<Int4>(x, x_bf16 != 0, M, n_in, w, s, Out{y, y_bf16 != 0}, B);
-}
-// 输入量化一次、乘几个矩阵（layer.cpp 的专家混合）：xq [M, 组·32]、dx [M, 组]、sum [M, 组]
-void quantize_input(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, int8_t* xq, float* dx, int32_t* sum) {
-  const int64_t groups = (n_in + QIN - 1) / QIN;
-  const QuantizedRows r = x_bf16 ? quantize_rows(static_cast<const uint16_t*>(x), M, n_in, groups)
-                                 : quantize_rows(static_cast<const float*>(x), M, n_in, groups);
-  std::memcpy(xq, r.xq.data(), r.xq.size());
-  std::memcpy(dx, r.dx.data(), r.dx.size() * sizeof(float));
-  std::memcpy(sum, r.sum.data(), r.sum.size() * sizeof(int32_t));
-}
-void matvec_i8_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
-                    const int8_t* w, const float* s, void* y, int64_t B, int64_t y_bf16) {
-  matvec_rows<Int8>(xq, dx, sum, rows, M, n_in, reinterpret_cast<const uint8_t*>(w), s, Out{y, y_bf16 != 0}, B);
-}
-void matvec_q4_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
-                    const uint8_t* w, const uint16_t* s, void* y, int64_t B, int64_t y_bf16) {
-  matvec_rows<Int4>(xq, dx, sum, rows, M, n_in, w, s, Out{y, y_bf16 != 0}, B);
 }
 void to_blocks_f32_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, float* out) {
   to_blocks(src, n, n_in, row0, out, same);
@@ -716,6 +692,34 @@ void matvec_pairs(const uint16_t* x, int64_t M, int64_t P, const uint16_t* w, vo
   matvec(reinterpret_cast<const float*>(x), M, P, reinterpret_cast<const Pair*>(w), Out{y, true}, B);
 }
 #endif
+#endif
+#if !defined(QWEN_PART) || QWEN_PART == 2  // int8、int4：整数点积与量化
+int matvec_vnni() { return VNNI; }  // int8、int4 的整数点积是不是一条 vpdpbusd（VNNI）
+void matvec_i8(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const int8_t* w, const float* s, void* y, int64_t B,
+               int64_t y_bf16) {
+  matvec_int<Int8>(x, x_bf16 != 0, M, n_in, reinterpret_cast<const uint8_t*>(w), s, Out{y, y_bf16 != 0}, B);
+}
+void matvec_q4(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, const uint8_t* w, const uint16_t* s, void* y, int64_t B,
+               int64_t y_bf16) {
+  matvec_int<Int4>(x, x_bf16 != 0, M, n_in, w, s, Out{y, y_bf16 != 0}, B);
+}
+// 输入量化一次、乘几个矩阵（layer.cpp 的专家混合）：xq [M, 组·32]、dx [M, 组]、sum [M, 组]
+void quantize_input(const void* x, int64_t x_bf16, int64_t M, int64_t n_in, int8_t* xq, float* dx, int32_t* sum) {
+  const int64_t groups = (n_in + QIN - 1) / QIN;
+  const QuantizedRows r = x_bf16 ? quantize_rows(static_cast<const uint16_t*>(x), M, n_in, groups)
+                                 : quantize_rows(static_cast<const float*>(x), M, n_in, groups);
+  std::memcpy(xq, r.xq.data(), r.xq.size());
+  std::memcpy(dx, r.dx.data(), r.dx.size() * sizeof(float));
+  std::memcpy(sum, r.sum.data(), r.sum.size() * sizeof(int32_t));
+}
+void matvec_i8_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
+                    const int8_t* w, const float* s, void* y, int64_t B, int64_t y_bf16) {
+  matvec_rows<Int8>(xq, dx, sum, rows, M, n_in, reinterpret_cast<const uint8_t*>(w), s, Out{y, y_bf16 != 0}, B);
+}
+void matvec_q4_rows(const int8_t* xq, const float* dx, const int32_t* sum, const int64_t* rows, int64_t M, int64_t n_in,
+                    const uint8_t* w, const uint16_t* s, void* y, int64_t B, int64_t y_bf16) {
+  matvec_rows<Int4>(xq, dx, sum, rows, M, n_in, w, s, Out{y, y_bf16 != 0}, B);
+}
 void quantize_int4_f32(const float* w, int64_t n, int64_t n_in, int64_t row0, uint8_t* q, uint16_t* scales) {
   quantize_int4(w, n, n_in, row0, q, scales, same);
 }
@@ -728,4 +732,5 @@ void quantize_int8_f32(const float* w, int64_t n, int64_t n_in, int8_t* q, float
 void quantize_int8_bf16(const uint16_t* w, int64_t n, int64_t n_in, int8_t* q, float* scale) {
   quantize_int8(w, n, n_in, q, scale, bf16_to_float);
 }
+#endif
 }
