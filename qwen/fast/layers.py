@@ -91,8 +91,10 @@ def attend_cache(q, k_all, v_all):
     if T == 1 and L >= GROUPED_FROM:
         scores = (q.reshape(B, Hkv, -1, D) @ k_all.transpose(-1, -2)) * D**-0.5  # [B, Hkv, g, L]
         return (torch.softmax(scores, dim=-1) @ v_all).reshape(B, T, H * D)  # [B, Hkv, g, D] → [B, 1, H·D]
-    mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)  # [T, L]
-    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=D**-0.5, enable_gqa=H != Hkv)
+    # 缓存里只有这 T 个（提示词的第一段）：is_causal 不必读掩码张量，整块都遮住的部分直接跳过（数字见 docs/performance.md）
+    causal = T == L > 1
+    mask = None if T == 1 or causal else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)  # [T, L]
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal, scale=D**-0.5, enable_gqa=H != Hkv)
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 
