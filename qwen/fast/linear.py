@@ -8,7 +8,7 @@
 - BlockedLinear（layout="blocked" 与 "graphs"，能编译 C++ 时默认）：把权重按 32 个输出切成块，每块 [in, 32] 连续存放；matvec.cpp 的小循环（kernel.py
   编译一次）逐块顺序读权重，每读 32 个数就乘加进每行的 32 个累加器。两个线程各自顺序读自己那一半，硬件预取最顺手。
   行数多时（长的预填充）每个乘加读到的权重少，就先拼回普通布局交给 F.linear；有 AVX-512 BF16 时一对一对存放的
-  bfloat16（vdpbf16ps）与 int8、int4（vpdpbusd）不拼回，matvec 一段一段地乘全部行，与 oneDNN 一样快。
+  bfloat16（vdpbf16ps）与 int8、int4（vpdpbusd）不拼回，matvec 一段一段地乘全部行（不比 oneDNN 慢，见 docs/performance.md）。
 - gemv：一行输入乘普通布局的权重时绕开 oneDNN，用 PyTorch 自己的 gemv（草稿头给输出头的前几万行打分时用）。
 
 几个读同一输入的矩阵（q/k/v，gate/up，DeltaNet 的四个输入投影）拼成一个再换布局：调用少了，一次连续读一大块也更快。

@@ -563,7 +563,7 @@ void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, co
   static const auto table = int_table<Q, N>(std::make_index_sequence<QROWS>{});
   constexpr int64_t SIZE = N * QROWS * BLOCK;  // 一组行的累加器
   const int64_t seg = m1 - m0 > QROWS ? std::max<int64_t>(1, 16384 / ((QIN / 4) * Q::QUAD)) : groups;
-  float one[SIZE];  // 解码、验证：一组行，累加器在栈上（每块都分配一次堆内存，几块的矩阵就慢几个百分点）
+  float one[SIZE];  // 解码、验证：一组行，累加器在栈上（每块一次堆上的分配在解码时也看得出来，见 docs/perf-history.md）
   std::vector<float> many(m1 - m0 > QROWS ? (m1 - m0 + QROWS - 1) / QROWS * SIZE : 0);
   float* acc = m1 - m0 > QROWS ? many.data() : one;
   const uint8_t* wb = w + b * groups * (QIN / 4) * Q::QUAD;
