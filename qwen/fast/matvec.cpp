@@ -455,16 +455,18 @@ inline float value(uint16_t v) { return bf16_to_float(v); }
 template <typename X>  // 输入 x 是 float32 或 bfloat16（bfloat16 的模型不必先转成 float32）
 QuantizedRows quantize_rows(const X* x, int64_t M, int64_t n_in, int64_t groups) {
   QuantizedRows r{std::vector<int8_t>(M * groups * QIN), std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
+#pragma omp parallel for schedule(static) if (M * n_in >= 65536 && !omp_in_parallel())  // 预填充的几百行：各行分给各个线程
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < groups; ++c) {
-      const int64_t i0 = c * QIN, i1 = std::min<int64_t>(n_in, i0 + QIN);
+      float v[QIN];  // 这一组的输入（补的是 0）：定长的循环，编译器整组向量化
+      for (int i = 0; i < QIN; ++i) v[i] = c * QIN + i < n_in ? value(x[m * n_in + c * QIN + i]) : 0.0f;
       float amax = 0.0f;
-      for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(value(x[m * n_in + i])));
+      for (int i = 0; i < QIN; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = amax / 127.0f;
       int32_t sum = 0;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int8_t q = d == 0.0f ? 0 : int8_t(std::nearbyint(value(x[m * n_in + i]) / d));
-        r.xq[(m * groups + c) * QIN + i - i0] = q;
+      for (int i = 0; i < QIN; ++i) {
+        const int8_t q = d == 0.0f ? 0 : int8_t(std::nearbyint(v[i] / d));
+        r.xq[(m * groups + c) * QIN + i] = q;
         sum += q;
       }
       r.dx[m * groups + c] = d;
