@@ -58,7 +58,7 @@ def kernel_file(cxx: str, flags=FLAGS) -> Path:
 
 def build(cxx: str, out: Path, flags=FLAGS) -> None:
     """用 cxx（与 flags）把 SOURCES 编译成 out（先写临时文件，编好了再改名）。失败时 RuntimeError 带上编译器的报错。
-    几个源文件同时编译（各编成 .o，再链接）。"""
+    UNITS 的几份同时编译（各编成 .o，再链接；matvec.cpp 分两半编）。"""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)

@@ -564,10 +564,11 @@ void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, co
               int64_t B, int64_t b) {
   static const auto table = int_table<Q, N>(std::make_index_sequence<QROWS>{});
   constexpr int64_t SIZE = N * QROWS * BLOCK;  // 一组行的累加器
-  const int64_t seg = m1 - m0 > QROWS ? std::max<int64_t>(1, 16384 / ((QIN / 4) * Q::QUAD)) : groups;
+  const bool sets = m1 - m0 > QROWS;  // 不止一组行
+  const int64_t seg = sets ? std::max<int64_t>(1, 16384 / ((QIN / 4) * Q::QUAD)) : groups;
   float one[SIZE];  // 解码、验证：一组行，累加器在栈上（每块一次堆上的分配在解码时也看得出来，见 docs/perf-history.md）
-  std::vector<float> many(m1 - m0 > QROWS ? (m1 - m0 + QROWS - 1) / QROWS * SIZE : 0);
-  float* acc = m1 - m0 > QROWS ? many.data() : one;
+  std::vector<float> many(sets ? (m1 - m0 + QROWS - 1) / QROWS * SIZE : 0);
+  float* acc = sets ? many.data() : one;
   const uint8_t* wb = w + b * groups * (QIN / 4) * Q::QUAD;
   for (int64_t c = 0; c < groups; c += seg)
     for (int64_t m = m0; m < m1; m += QROWS)
