@@ -208,12 +208,26 @@ void block_rows(const float* x, int64_t n_in, const W* w, int64_t ahead, float* 
   std::memcpy(out, acc, sizeof acc);
 }
 
-// 每个线程的一段连续的块里，一次乘几块、每块分几组乘几行
+// 一次乘相邻的几块（1、2 或 4）：一组 rows 行、每行 LANES 个累加向量，一共至多 acc 个（其余寄存器放广播的输入与权重），
+// 行少时就多乘几块。浮点的块 FLOAT_ACC 个累加向量；整数的另有同样多的整数累加向量，只算一半（INT_ACC）
+constexpr int FLOAT_ACC = WIDTH == 16 ? 16 : 8, INT_ACC = FLOAT_ACC / 2;
+constexpr int64_t adjacent_blocks(int acc, int64_t rows) {
+  const int64_t fit = acc / (LANES * rows);
+  return fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+}
+
+// 每个线程的一段连续的块里，一次乘几块、每块分几组乘几行。N 由整个矩阵的行数定（adjacent_blocks），一组的行数 G 不超过
+// 它，而行越多块越少：只有 adjacent_blocks(acc, G) ≥ N 的组合会被调用。别的组合不展开（表里留空），第一次编译少一半的活
 template <typename W>
 using RowsFn = void (*)(const float*, int64_t, const W*, int64_t, float*);
+template <typename W, int G, int N>
+constexpr RowsFn<W> rows_entry() {
+  if constexpr (adjacent_blocks(FLOAT_ACC, G) >= N) return &block_rows<W, G, N>;
+  else return nullptr;
+}
 template <typename W, int N, size_t... G>
 std::array<RowsFn<W>, sizeof...(G)> make_table(std::index_sequence<G...>) {
-  return {&block_rows<W, int(G) + 1, N>...};
+  return {rows_entry<W, int(G) + 1, N>()...};
 }
 template <typename W, int N>
 RowsFn<W> rows_of(int64_t g) {  // block_rows<W, g, N>
@@ -258,13 +272,6 @@ void tile(const float* x, int64_t m0, int64_t m1, int64_t n_in, const W* w, Out 
   }
 }
 
-// 一次乘相邻的几块（1、2 或 4）：一组 rows 行、每行 LANES 个累加向量，一共至多 acc 个（其余寄存器放广播的输入与权重），
-// 行少时就多乘几块
-inline int64_t adjacent_blocks(int acc, int64_t rows) {
-  const int64_t fit = acc / (LANES * rows);
-  return fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
-}
-
 // 行多时（预填充）一段一段地乘：一段的输入（约 256 KB）留在 L2 里，各块挨个读它。不分段时每一块都要把全部行的输入
 // 从 L3、内存再读一遍（512 行 × 3584 个输入的 int8 就是 1.8 MB，再乘 32 块）。一段几行（group 的倍数；每行 row_bytes
 // 字节）；每一行的结果与分不分段无关
@@ -291,7 +298,7 @@ void for_tiles(int64_t B, int64_t N, int64_t work, F tile) {
 // x [M, in] float32 乘 w [B, in, 32] → y [M, B·32] float32
 template <typename W>
 void matvec(const float* x, int64_t M, int64_t n_in, const W* w, Out y, int64_t B) {
-  const int64_t N = adjacent_blocks(WIDTH == 16 ? 16 : 8, std::min<int64_t>(M, GROUP));
+  const int64_t N = adjacent_blocks(FLOAT_ACC, std::min<int64_t>(M, GROUP));
   const int64_t rows = chunk_rows(M, n_in * 4, GROUP);
   for (int64_t m0 = 0; m0 < M; m0 += rows)
     for_tiles(B, N, B * n_in, [&](auto n, int64_t b) {
@@ -535,11 +542,15 @@ void int_rows(const QuantizedRows& x, int64_t m0, int64_t c0, int64_t c1, int64_
 // 有几个留在 L1 里；换来的是验证 5 个 token、服务时 8 个请求都只读一遍权重
 constexpr int QROWS = WIDTH == 16 ? 8 : 2;
 
+using IntFn = void (*)(const QuantizedRows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const void*, int64_t, float*);
+template <typename Q, int G, int N>
+constexpr IntFn int_entry() {  // 同 rows_entry：只展开会被调用的组合
+  if constexpr (adjacent_blocks(INT_ACC, G) >= N) return &int_rows<Q, G, N>;
+  else return nullptr;
+}
 template <typename Q, int N, size_t... G>
-std::array<void (*)(const QuantizedRows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const void*, int64_t, float*),
-           sizeof...(G)>
-int_table(std::index_sequence<G...>) {
-  return {&int_rows<Q, int(G) + 1, N>...};
+std::array<IntFn, sizeof...(G)> int_table(std::index_sequence<G...>) {
+  return {int_entry<Q, int(G) + 1, N>()...};
 }
 
 // 第 b 块起的比例：int4 每块 [组, 32] 个 float16，int8 每块 32 个 float32
@@ -587,8 +598,7 @@ void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, co
 template <typename Q>
 void matvec_quantized(const QuantizedRows& xq, int64_t M, int64_t n_in, const uint8_t* w, const void* s, Out y, int64_t B) {
   const int64_t groups = (n_in + QIN - 1) / QIN;
-  // float32 的累加向量只算一半的寄存器：整数的另有同样多
-  const int64_t N = adjacent_blocks(WIDTH == 16 ? 8 : 4, std::min<int64_t>(M, QROWS));
+  const int64_t N = adjacent_blocks(INT_ACC, std::min<int64_t>(M, QROWS));
   const int64_t rows = chunk_rows(M, groups * QIN, QROWS);
   for (int64_t m0 = 0; m0 < M; m0 += rows)
     for_tiles(B, N, B * n_in, [&](auto n, int64_t b) {
