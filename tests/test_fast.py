@@ -249,7 +249,8 @@ def test_bfloat16_logits_stay_close_to_float32(widths08b):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_reader_matches_safetensors(tmp_path, dtype):
-    """RowReader 按偏移从文件里读出的行，与 safetensors 读出的整个张量逐位相同；其他 dtype 照样转换。"""
+    """RowReader 按偏移从文件里读出的行，与 safetensors 读出的整个张量逐位相同（相邻的几行一次读出，跨过 ids 的行界也是）；
+    其他 dtype 照样转换。"""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -259,7 +260,7 @@ def test_row_reader_matches_safetensors(tmp_path, dtype):
     with safe_open(tmp_path / "t.safetensors", framework="pt") as f:
         assert torch.equal(f.get_tensor("b.table"), table)
     rows = RowReader(tmp_path / "t.safetensors", "b.table")
-    ids = torch.tensor([[0, 299, 7], [7, 7, 150]])
+    ids = torch.tensor([[0, 1, 2, 299, 7], [8, 7, 7, 150, 151]])
     assert rows.shape == (300, 24) and rows.dtype == dtype
     assert torch.equal(rows[ids], table[ids])
     assert torch.equal(rows.rows(3, 10), table[3:10])

@@ -33,7 +33,7 @@ from ..weights import Config
 
 FULL = Config()  # Qwen3.5-0.8B 的形状（Config 的默认值）
 GROUP = 4  # 造几层：一组三层 DeltaNet 加一层门控注意力，重复 FULL.num_hidden_layers / GROUP 次
-ROUNDS = 4  # 轮流量几遍
+ROUNDS = 3  # 轮流量几遍
 DRAFT_ROWS = 74925  # 真的 0.8B 上 draft_vocab="auto" 挑的行数：前 49152 个 id 加上后面含汉字的（qwen/tools/vocab.py）
 
 
@@ -53,9 +53,9 @@ def full_size_costs(dtype: torch.dtype | None = None) -> dict:
     model.cfg = FULL
     run = Run.start(model, torch.arange(1, 9)[None])  # 读 8 个 token 的提示词
     verify, draft = [float("inf")] * (MAX_DRAFTS + 1), float("inf")
-    for _ in range(ROUNDS):  # 轮流量（带宽一会儿快一会儿慢：各行数在同样的时段里比），各取最快的一次
-        verify = [min(v, verify_seconds(model, run.state, run.tokens[-1], T)) for T, v in enumerate(verify, 1)]
-        draft = min(draft, fastest(lambda: replace(run, drafter=run.drafter.copy()), lambda r: mtp.draft(model, r, 1)))
+    for i in range(ROUNDS):  # 轮流量（带宽一会儿快一会儿慢：各行数在同样的时段里比），各取最快的一次；第一轮先各跑一次
+        verify = [min(v, verify_seconds(model, run.state, run.tokens[-1], T, warm=i == 0)) for T, v in enumerate(verify, 1)]
+        draft = min(draft, fastest(lambda: replace(run, drafter=run.drafter.copy()), lambda r: mtp.draft(model, r, 1), warm=i == 0))
     cost = [1.0] + [max((verify[k] + k * draft) / verify[0], 1.0) for k in range(1, MAX_DRAFTS + 1)]
     out = {"step": verify[0], "verify": verify, "draft": draft, "round_cost": sorted(cost)}
     write_record("round_cost.json", key, out)
@@ -71,21 +71,22 @@ def memory_disk(need: int = 1 << 30) -> str | None:
         return None
 
 
-def verify_seconds(model, state, token: int, T: int) -> float:
+def verify_seconds(model, state, token: int, T: int, warm: bool = True) -> float:
     """验证 T 行（解码 T = 1）：接着 state 的一次前向与输出头，像 spec_round 那样记历史，要几秒；在 state 的副本上算
-    （复制不计时）。"""
+    （复制不计时）。warm：先跑一次不计时（这个行数第一次跑时）。"""
     def setup():
         s = copy_state(state)
         if T > 1:
             keep_history(s)
         return s
 
-    return fastest(setup, lambda s: model.lm_head(model.hidden(torch.full((1, T), token), s)), times=1)
+    return fastest(setup, lambda s: model.lm_head(model.hidden(torch.full((1, T), token), s)), times=1, warm=warm)
 
 
-def fastest(setup, f, times: int = 3) -> float:
-    """f(setup()) 的秒数（setup 不计时）：先跑一次（一次性的开销），再取 times 次里最快的（内存带宽一会儿快一会儿慢）。"""
-    f(setup())
+def fastest(setup, f, times: int = 3, warm: bool = True) -> float:
+    """f(setup()) 的秒数（setup 不计时）：warm 时先跑一次（一次性的开销），再取 times 次里最快的（内存带宽一会儿快一会儿慢）。"""
+    if warm:
+        f(setup())
     best = float("inf")
     for _ in range(times):
         x = setup()

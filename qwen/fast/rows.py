@@ -158,9 +158,11 @@ class RowReader:
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids 任意形状的整数张量 → [..., 列数]，dtype 为 self.dtype。"""
-        buf = bytearray()
-        for i in ids.flatten().tolist():
-            buf += self.read_at(self.start + i * self.row_bytes, self.row_bytes)
+        flat, buf, first = ids.flatten().tolist(), bytearray(), 0
+        for end in range(1, len(flat) + 1):  # 相邻的几行（起草词表的前几万个 id）一次读出
+            if end == len(flat) or flat[end] != flat[end - 1] + 1:
+                buf += self.read_at(self.start + flat[first] * self.row_bytes, (end - first) * self.row_bytes)
+                first = end
         return torch.frombuffer(buf, dtype=self.file_dtype).view(*ids.shape, self.shape[1]).to(self.dtype)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:

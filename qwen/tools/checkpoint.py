@@ -42,10 +42,7 @@ def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0, ti
     gen = torch.Generator().manual_seed(seed)
 
     def normal(shape):  # N(0, 1)
-        n = math.prod(shape)
-        if not tiled or n <= TILE:
-            return torch.randn(shape, generator=gen)
-        return torch.randn(TILE, generator=gen).repeat(-(-n // TILE))[:n].view(shape)
+        return torch.randn(shape, generator=gen)
 
     def fill(name, shape):
         if name.endswith("A_log"):
@@ -62,7 +59,12 @@ def random_checkpoint(path, cfg: Config, dtype=torch.bfloat16, seed: int = 0, ti
         return (normal(shape) * (scale / math.sqrt(shape[-1]))).to(dtype)  # 输入维在最后
 
     def make(name, meta):  # 写到它的分片时才造：名字去掉前缀（model.language_model.、mtp.），按同样的规则取值
-        return fill(name.removeprefix("model.language_model.").removeprefix("mtp."), meta.shape)
+        name, n = name.removeprefix("model.language_model.").removeprefix("mtp."), math.prod(meta.shape)
+        if not tiled or n <= TILE or len(meta.shape) == 1:
+            return fill(name, meta.shape)
+        # 按同样的规则算好一小块（TILE 个）再铺满：逐元素的取值规则与铺满可以交换，只是少算、少转换几百 MB
+        tile = fill(name, (max(1, TILE // meta.shape[-1]), meta.shape[-1])).flatten()  # 同样的最后一维：缩放照旧
+        return tile.repeat(-(-n // len(tile)))[:n].view(meta.shape)
 
     tensors = {}
     for part, cls in (("model", Model), ("mtp", MTP)):
