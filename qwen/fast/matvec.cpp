@@ -339,8 +339,13 @@ void quantize_int8(const S* w, int64_t n, int64_t n_in, int8_t* q, float* scale,
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const S* row = w + r * n_in;
+    float part[16] = {};  // 16 份各自的最大值：定长的内层循环，编译器向量化（取最大值与先后无关，结果不变）
+    int64_t i = 0;
+    for (; i + 16 <= n_in; i += 16)
+      for (int k = 0; k < 16; ++k) part[k] = std::max(part[k], std::fabs(convert(row[i + k])));
     float m = 0.0f;
-    for (int64_t i = 0; i < n_in; ++i) m = std::max(m, std::fabs(convert(row[i])));
+    for (; i < n_in; ++i) m = std::max(m, std::fabs(convert(row[i])));
+    for (int k = 0; k < 16; ++k) m = std::max(m, part[k]);
     float s = std::max(m, 1e-12f) / 127.0f;
     scale[r] = s;
     for (int64_t i = 0; i < n_in; ++i)
@@ -348,7 +353,11 @@ void quantize_int8(const S* w, int64_t n, int64_t n_in, int8_t* q, float* scale,
   }
 }
 
-float same(float v) { return v; }
+// 换布局、量化时逐个元素的转换。写成 lambda（每个是自己的类型）而不是函数指针：模板按它展开时转换内联进循环，循环才能
+// 向量化；传函数指针时每个元素都是一次调用
+constexpr auto same = [](float v) { return v; };
+constexpr auto from_bf16 = [](uint16_t v) { return bf16_to_float(v); };
+constexpr auto to_bf16 = [](float v) { return float_to_bf16(v); };
 
 // ---------- int8、int4（quantize="int8"、"int4"）：整数点积 ----------
 //
@@ -685,19 +694,19 @@ void to_blocks_f32_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, 
   to_blocks(src, n, n_in, row0, out, same);
 }
 void to_blocks_bf16_f32(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, float* out) {
-  to_blocks(src, n, n_in, row0, out, bf16_to_float);
+  to_blocks(src, n, n_in, row0, out, from_bf16);
 }
 void to_blocks_bf16_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
   to_blocks(src, n, n_in, row0, out, [](uint16_t v) { return v; });
 }
 void to_blocks_f32_bf16(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
-  to_blocks(src, n, n_in, row0, out, float_to_bf16);
+  to_blocks(src, n, n_in, row0, out, to_bf16);
 }
 void to_pairs_bf16(const uint16_t* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
   to_blocks(src, n, n_in, row0, out, [](uint16_t v) { return v; }, true);
 }
 void to_pairs_f32(const float* src, int64_t n, int64_t n_in, int64_t row0, uint16_t* out) {
-  to_blocks(src, n, n_in, row0, out, float_to_bf16, true);
+  to_blocks(src, n, n_in, row0, out, to_bf16, true);
 }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // x [M, 2P] bfloat16（P 对）乘 Pair 布局的 w [B, P, 32, 2] → y [M, B·32] bfloat16
@@ -737,13 +746,13 @@ void quantize_int4_f32(const float* w, int64_t n, int64_t n_in, int64_t row0, ui
   quantize_int4(w, n, n_in, row0, q, scales, same);
 }
 void quantize_int4_bf16(const uint16_t* w, int64_t n, int64_t n_in, int64_t row0, uint8_t* q, uint16_t* scales) {
-  quantize_int4(w, n, n_in, row0, q, scales, bf16_to_float);
+  quantize_int4(w, n, n_in, row0, q, scales, from_bf16);
 }
 void quantize_int8_f32(const float* w, int64_t n, int64_t n_in, int8_t* q, float* scale) {
   quantize_int8(w, n, n_in, q, scale, same);
 }
 void quantize_int8_bf16(const uint16_t* w, int64_t n, int64_t n_in, int8_t* q, float* scale) {
-  quantize_int8(w, n, n_in, q, scale, bf16_to_float);
+  quantize_int8(w, n, n_in, q, scale, from_bf16);
 }
 #endif
 }
