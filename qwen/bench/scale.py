@@ -53,8 +53,8 @@ def full_size_costs(dtype: torch.dtype | None = None) -> dict:
     model.cfg = FULL
     run = Run.start(model, torch.arange(1, 9)[None])  # 读 8 个 token 的提示词
     verify, draft = [float("inf")] * (MAX_DRAFTS + 1), float("inf")
-    for i in range(ROUNDS):  # 轮流量（带宽一会儿快一会儿慢：各行数在同样的时段里比），各取最快的一次；第一轮先各跑一次
-        verify = [min(v, verify_seconds(model, run.state, run.tokens[-1], T, warm=i == 0)) for T, v in enumerate(verify, 1)]
+    for i in range(ROUNDS):  # 轮流量（带宽一会儿快一会儿慢：各行数在同样的时段里比），各取最快的一次
+        verify = [min(v, verify_seconds(model, run.state, run.tokens[-1], T)) for T, v in enumerate(verify, 1)]
         draft = min(draft, fastest(lambda: replace(run, drafter=run.drafter.copy()), lambda r: mtp.draft(model, r, 1), warm=i == 0))
     cost = [1.0] + [max((verify[k] + k * draft) / verify[0], 1.0) for k in range(1, MAX_DRAFTS + 1)]
     out = {"step": verify[0], "verify": verify, "draft": draft, "round_cost": sorted(cost)}
@@ -71,16 +71,16 @@ def memory_disk(need: int = 1 << 30) -> str | None:
         return None
 
 
-def verify_seconds(model, state, token: int, T: int, warm: bool = True) -> float:
+def verify_seconds(model, state, token: int, T: int) -> float:
     """验证 T 行（解码 T = 1）：接着 state 的一次前向与输出头，像 spec_round 那样记历史，要几秒；在 state 的副本上算
-    （复制不计时）。warm：先跑一次不计时（这个行数第一次跑时）。"""
+    （复制不计时）。不先空跑：读提示词（Run.start）已经付过一次性的开销，每个行数第一次跑并不更慢。"""
     def setup():
         s = copy_state(state)
         if T > 1:
             keep_history(s)
         return s
 
-    return fastest(setup, lambda s: model.lm_head(model.hidden(torch.full((1, T), token), s)), times=1, warm=warm)
+    return fastest(setup, lambda s: model.lm_head(model.hidden(torch.full((1, T), token), s)), times=1, warm=False)
 
 
 def fastest(setup, f, times: int = 3, warm: bool = True) -> float:
