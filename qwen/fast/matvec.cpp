@@ -208,9 +208,9 @@ void block_rows(const float* x, int64_t n_in, const W* w, int64_t ahead, float* 
   std::memcpy(out, acc, sizeof acc);
 }
 
-// 一次乘相邻的几块（1、2 或 4）：一组 rows 行、每行 LANES 个累加向量，一共至多 acc 个（其余寄存器放广播的输入与权重），
-// 行少时就多乘几块。浮点的块 FLOAT_ACC 个累加向量；整数的另有同样多的整数累加向量，只算一半（INT_ACC）
-constexpr int FLOAT_ACC = WIDTH == 16 ? 16 : 8, INT_ACC = FLOAT_ACC / 2;
+// 浮点的块一次乘相邻的几块（1、2 或 4）：一组 rows 行、每行 LANES 个累加向量，一共至多 acc = FLOAT_ACC 个（其余寄存器放
+// 广播的输入与权重），行少时就多乘几块（整数的块一次只乘一块，见 matvec_quantized）
+constexpr int FLOAT_ACC = WIDTH == 16 ? 16 : 8;
 constexpr int64_t adjacent_blocks(int acc, int64_t rows) {
   const int64_t fit = acc / (LANES * rows);
   return fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
@@ -280,18 +280,25 @@ inline int64_t chunk_rows(int64_t M, int64_t row_bytes, int64_t group) {
 }
 
 // 按块分给各个线程（每块 32 个输出互不相干），每个线程顺序读自己那一段：每 N 块一份，tile(n, b) 乘第 b 起的 n 块
-// （n 是编译期的常数 1、2 或 4；不够 N 块的尾巴一块一块地乘）。work 很小的矩阵不值得叫醒别的线程；已经在并行区里
-// （layer.cpp 的专家混合：两个线程各乘几个专家）时不再另开线程，不然每个线程又各叫醒一队，线程比核多
-template <typename F>
+// （n 是编译期的常数 1、2 或 4，至多 MAXN；不够 N 块的尾巴一块一块地乘）。work 很小的矩阵不值得叫醒别的线程；已经在
+// 并行区里（layer.cpp 的专家混合：两个线程各乘几个专家）时不再另开线程，不然每个线程又各叫醒一队，线程比核多
+template <int MAXN, typename F>
 void for_tiles(int64_t B, int64_t N, int64_t work, F tile) {
   const int64_t tiles = (B + N - 1) / N;
 #pragma omp parallel for schedule(static) if (work >= 32768 && !omp_in_parallel())
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t b = t * N;
-    if (N == 4 && b + 4 <= B) tile(std::integral_constant<int, 4>{}, b);
-    else if (N == 2 && b + 2 <= B) tile(std::integral_constant<int, 2>{}, b);
-    else
-      for (int64_t c = b; c < std::min(B, b + N); ++c) tile(std::integral_constant<int, 1>{}, c);
+    if constexpr (MAXN >= 4)
+      if (N == 4 && b + 4 <= B) {
+        tile(std::integral_constant<int, 4>{}, b);
+        continue;
+      }
+    if constexpr (MAXN >= 2)
+      if (N == 2 && b + 2 <= B) {
+        tile(std::integral_constant<int, 2>{}, b);
+        continue;
+      }
+    for (int64_t c = b; c < std::min(B, b + N); ++c) tile(std::integral_constant<int, 1>{}, c);
   }
 }
 
@@ -301,7 +308,7 @@ void matvec(const float* x, int64_t M, int64_t n_in, const W* w, Out y, int64_t 
   const int64_t N = adjacent_blocks(FLOAT_ACC, std::min<int64_t>(M, GROUP));
   const int64_t rows = chunk_rows(M, n_in * 4, GROUP);
   for (int64_t m0 = 0; m0 < M; m0 += rows)
-    for_tiles(B, N, B * n_in, [&](auto n, int64_t b) {
+    for_tiles<4>(B, N, B * n_in, [&](auto n, int64_t b) {
       tile<W, decltype(n)::value>(x, m0, std::min(M, m0 + rows), n_in, w, y, B, b);
     });
 }
@@ -552,14 +559,9 @@ void int_rows(const QuantizedRows& x, int64_t m0, int64_t c0, int64_t c1, int64_
 constexpr int QROWS = WIDTH == 16 ? 8 : 2;
 
 using IntFn = void (*)(const QuantizedRows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const void*, int64_t, float*);
-template <typename Q, int G, int N>
-constexpr IntFn int_entry() {  // 同 rows_entry：只展开会被调用的组合
-  if constexpr (adjacent_blocks(INT_ACC, G) >= N) return &int_rows<Q, G, N>;
-  else return nullptr;
-}
 template <typename Q, int N, size_t... G>
 std::array<IntFn, sizeof...(G)> int_table(std::index_sequence<G...>) {
-  return {int_entry<Q, int(G) + 1, N>()...};
+  return {&int_rows<Q, int(G) + 1, N>...};
 }
 
 // 第 b 块起的比例：int4 每块 [组, 32] 个 float16，int8 每块 32 个 float32
@@ -607,10 +609,11 @@ void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, co
 template <typename Q>
 void matvec_quantized(const QuantizedRows& xq, int64_t M, int64_t n_in, const uint8_t* w, const void* s, Out y, int64_t B) {
   const int64_t groups = (n_in + QIN - 1) / QIN;
-  const int64_t N = adjacent_blocks(INT_ACC, std::min<int64_t>(M, QROWS));
+  // 一次只乘一块（不像浮点的块那样行少时同时乘相邻的几块）：解码一行时同时乘 4 块，每个线程要同时读 8 条流（4 块的
+  // 权重与比例），从内存读得反而慢（数字见 docs/perf-history.md）
   const int64_t rows = chunk_rows(M, groups * QIN, QROWS);
   for (int64_t m0 = 0; m0 < M; m0 += rows)
-    for_tiles(B, N, B * n_in, [&](auto n, int64_t b) {
+    for_tiles<1>(B, 1, B * n_in, [&](auto n, int64_t b) {
       int_tile<Q, decltype(n)::value>(xq, m0, std::min(M, m0 + rows), groups, w, s, y, B, b);
     });
 }
