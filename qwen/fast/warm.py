@@ -13,6 +13,7 @@ from .layers import DECODE_LENGTHS
 from .load import describe
 from .records import read_record, write_record
 
+SETTLE = 4  # 量一轮的代价时，最初几次产出之后的间隔也不算：刚开始的几步慢一些（数字见 docs/perf-history.md）
 # 量出的代价的下限：起草一个 token 至少要草稿头的一层与多验证一行，比这还低只能是量错了（量得的值见 docs/perf-history.md）
 MIN_DRAFT_COST = 0.05
 
@@ -42,7 +43,7 @@ def warm_up(model, mtp=None, calibrate: bool | str = True) -> float:
             mtp(model.embed_tokens(ids[:, :T]), hidden[:, :T], 8, c)
         mtp.draft_logits(model, hidden[:, :1])
     if mtp is not None and calibrate:
-        key = (f"量法 4 · {model.cfg} · {model.dtype} · {describe(model)} · 草稿词表 {getattr(mtp, 'draft_note', '全词表')} · "
+        key = (f"量法 5 · {model.cfg} · {model.dtype} · {describe(model)} · 草稿词表 {getattr(mtp, 'draft_note', '全词表')} · "
                f"{torch.get_num_threads()} 线程 · torch {torch.__version__}")
         cost = read_record("round_cost.json", key)
         if not valid_round_cost(cost) and calibrate != "recorded":  # 没量过这种设置：量一次，记下来（之后的运行用同一组值，带种子的采样才可复现）
@@ -65,14 +66,15 @@ def measure_round_cost(model, mtp, ids, rounds: int = 3, per: int = 6) -> list[f
     与 t 不能比：量得太低时服务以为起草不要钱，就一直起草。每个起草数取这几对的中位数，各算各的：一轮的固定开销（草稿头读
     上一轮留下的几对、记历史、提交）与每个草稿的代价都在里面，不假设它随 k 线性地长（验证的行数跨过某个门槛时一下子贵起来，
     直线会把它摊给别的 k）。多起草不会更便宜：量得的起伏取前一个；也至少 1 + MIN_DRAFT_COST·k。头两次产出不算：一次是
-    预填充，一次是草稿头第一次读提示词。rounds：量几遍；per：每遍每个起草数量几轮。"""
+    预填充，一次是草稿头第一次读提示词；再往后的 SETTLE 个间隔也不算：普通解码最初的几步比之后慢，把它们当 t₀，一轮的
+    代价就量低了，小模型上会去起草其实不划算的草稿。rounds：量几遍；per：每遍每个起草数量几轮。"""
     def gaps(generator):
         times, t = [], None
         for _ in generator:
             now = time.perf_counter()
             times.append(None if t is None else now - t)
             t = now
-        return times[2:]  # 第 0 个是预填充结束，第 1 个间隔含草稿头读提示词
+        return times[2 + SETTLE :]  # 第 0 个是预填充结束，第 1 个间隔含草稿头读提示词，再往后 SETTLE 个还没稳下来
 
     def median(values):
         return sorted(values)[len(values) // 2]
@@ -81,9 +83,9 @@ def measure_round_cost(model, mtp, ids, rounds: int = 3, per: int = 6) -> list[f
     for _ in range(rounds):
         for k in range(1, MAX_DRAFTS + 1):
             r = Run.start(model, ids)
-            times = gaps(r.stream(model, mtp, 2 + per * (k + 1), draft_tokens=k))
-            t0 = median(gaps(stream(model, ids, 6)))  # 紧挨着量的普通解码
-            for (drafted, _, _), t in zip(r.trace[1:], times):
+            times = gaps(r.stream(model, mtp, 2 + (SETTLE + per) * (k + 1), draft_tokens=k))
+            t0 = median(gaps(stream(model, ids, 6 + SETTLE)))  # 紧挨着量的普通解码
+            for (drafted, _, _), t in zip(r.trace[1 + SETTLE :], times):
                 by_count.setdefault(drafted, []).append(t / t0)
     cost = [1.0]
     for k in range(1, MAX_DRAFTS + 1):  # 哪个起草数没量到（极少见）：取前一个，再由下限托住
