@@ -217,7 +217,8 @@ constexpr int64_t adjacent_blocks(int acc, int64_t rows) {
 }
 
 // 每个线程的一段连续的块里，一次乘几块、每块分几组乘几行。N 由整个矩阵的行数定（adjacent_blocks），一组的行数 G 不超过
-// 它，而行越多块越少：只有 adjacent_blocks(acc, G) ≥ N 的组合会被调用。别的组合不展开（表里留空），第一次编译少一半的活
+// 它，而行越多块越少：只有 adjacent_blocks(acc, G) ≥ N 的组合会被调用。别的组合不展开（表里留空），第一次编译快得多
+// （数字见 docs/performance.md）
 template <typename W>
 using RowsFn = void (*)(const float*, int64_t, const W*, int64_t, float*);
 template <typename W, int G, int N>
