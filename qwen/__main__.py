@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -268,11 +269,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    warnings.formatwarning = one_line
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):  # python -m qwen "你好"：默认的子命令
         argv = ["chat", *argv]
     args = parser().parse_args(argv)
     return args.run(args)
+
+
+def one_line(message, category, filename, lineno, line=None) -> str:
+    """命令行里的警告印一行：类别与它说的那句话（qwen 的警告自己说清楚了是什么、为什么、这次怎么办），不印出处的文件与
+    源码行。"""
+    return f"{category.__name__}: {message}\n"
 
 
 def chat_main(args) -> None:

@@ -166,6 +166,18 @@ def test_compile_with_an_unwritable_cache_says_so_before_compiling(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_cli_with_an_unusable_kernel_cache_says_it_in_one_line(tmp_path):
+    """命令行一次回答，而内核的缓存用不了（XDG_CACHE_HOME 是个文件）：标准错误上说一行（缓存在哪儿、为什么用不了、这次编在
+    哪儿、照样用 C++ 内核），不印 traceback，也不印警告出处的源码行；照样回答。"""
+    (tmp_path / "file").write_text("")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "file"))
+    done = subprocess.run([sys.executable, "-m", "qwen", "def f():", "--model", "demo", "--max-new-tokens", "2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    said = [line for line in done.stderr.splitlines() if "qwen：" in line or "kernels" in line or "return " in line]
+    assert done.returncode == 0 and done.stdout.strip() and "Traceback" not in done.stderr, done.stderr
+    assert len(said) == 1 and "用不了（Not a directory）" in said[0] and "照样用 C++ 内核" in said[0], done.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--max-new-tokens", "-3"], "argument --max-new-tokens: 要在 \\[1, ∞\\) 里，收到 -3"),
     (["--top-p", "0"], "argument --top-p: 要在 \\(0, 1\\] 里，收到 0"),
