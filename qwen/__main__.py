@@ -269,7 +269,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    warnings.formatwarning = one_line
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):  # python -m qwen "你好"：默认的子命令
         argv = ["chat", *argv]
@@ -355,5 +354,6 @@ def talk(conversation, messages, args) -> None:
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = one_line  # 只在命令行的进程里：在别的程序里调用 main() 不改它的警告格式
     main()
     gc.freeze()  # 马上就退出：解释器收尾时不必再把 torch 的几十万个对象扫一遍（省下的时间见 docs/performance.md）
