@@ -777,6 +777,49 @@ def test_long_prompt_convolution_in_cpp_equals_the_chapter():
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-6) and torch.equal(got_full[:, -3:], want_full[:, -3:])
 
 
+def test_long_prompt_chunks_in_cpp_equal_the_chapter():
+    """长的提示词的 DeltaNet（q、k 归一化与第 8 章的分块形式）在 deltanet.cpp 里一个头一次走完：值头多于键头、两行、接在
+    已有的状态之后、最后一块不满。输出与新状态离第 7 章的逐 token 递推不比第 8 章的分块形式（PyTorch）远多少，窗口逐位相同；
+    切成块长整数倍的两段分两次喂，与一次喂完逐位相同。"""
+    from qwen.chunk import chunk_gated_delta_rule
+    from qwen.deltanet import DeltaNetState, GatedDeltaNet
+    from qwen.fast.kernel import DeltaNetParams
+    from qwen.fast.layers import DELTA_CHUNK, STEP_ROWS, FastDeltaNet, fuse
+    from qwen.weights import Config
+
+    torch.manual_seed(0)
+    cfg = Config(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                 linear_value_head_dim=48, num_hidden_layers=1)
+    fast = GatedDeltaNet(cfg)
+    for w in (fast.conv1d.weight, fast.A_log, fast.dt_bias, fast.norm.weight):
+        w.data.normal_()
+    fast.__class__, fast.step_kernel = FastDeltaNet, load_matvec()
+    fuse(fast, "in_proj", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], fast.step_kernel)
+    fast.step_consts = tuple(t.detach().float().contiguous() for t in (
+        fast.conv1d.weight[:, 0].t(), -fast.A_log.exp(), fast.dt_bias, fast.norm.weight))
+    fast.step_params = DeltaNetParams(*(t.data_ptr() for t in fast.step_consts), fast.norm.eps, 2, 4, 32, 48, 4)
+    cut = (STEP_ROWS // DELTA_CHUNK + 1) * DELTA_CHUNK  # 两段都长于 STEP_ROWS（更短的逐个位置地走）
+    x = torch.randn(2, 2 * cut + 5, 64)
+
+    def start():  # 前面已经读过一段：窗口与记忆都不是 0
+        state = DeltaNetState()
+        state.conv = torch.randn(2, 3, 2 * 64 + 4 * 48, generator=torch.Generator().manual_seed(1))
+        state.S = torch.randn(2, 4, 32, 48, generator=torch.Generator().manual_seed(2)) * 0.1
+        return state
+
+    with torch.inference_mode():
+        states = [start() for _ in range(4)]
+        want = GatedDeltaNet.forward(fast, x, states[0], rule=recurrent_gated_delta_rule)  # 第 7 章
+        chapter = GatedDeltaNet.forward(fast, x, states[1], rule=chunk_gated_delta_rule)  # 第 8 章
+        got = fast(x, states[2])
+        halves = torch.cat([fast(x[:, :cut], states[3]), fast(x[:, cut:], states[3])], 1)
+    err = lambda a, b: (a - b).abs().max().item()
+    assert 0 < err(got, want) <= 2 * err(chapter, want) + 1e-6
+    assert err(states[2].S, states[0].S) <= 2 * err(states[1].S, states[0].S) + 1e-6
+    assert torch.equal(states[2].conv, states[1].conv)
+    assert torch.equal(halves, got) and torch.equal(states[3].S, states[2].S)
+
+
 def test_the_structs_shared_by_two_sources_are_written_the_same():
     """DeltaNet、Attention 两个结构各写在两处（deltanet.cpp / attention.cpp 与 layer.cpp，各自编译）：一字不差，ctypes 的
     DeltaNetParams、AttentionParams 与它们逐个字段同名、同序。"""

@@ -15,6 +15,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
@@ -159,6 +163,166 @@ void head_steps(const DeltaNet& p, const Input& in, const float* y, int64_t b, i
   }
 }
 
+
+// ---------- 长的提示词：第 8 章的分块形式，一个头一次调用走完 ----------
+//
+// PyTorch 里分块形式是几十个小运算：每块每个头十几次 32×128 的小矩阵乘法，外加 exp、掩码、拼接、复制，每个都分派一次、
+// 分配一次输出。这里一个头 (b, h) 从头到尾走完所有块，块内的量都在 L1、L2 里，记忆 S（64 KB）一直留在 L2。一块 n 个位置，
+// G_t 为块内累计对数衰减，Γ_tj = e^{G_t−G_j}（j ≤ t），S₀ 为块开始时的记忆（公式与推导见第 8 章 chunk.py）：
+//     P = [Q; K] S₀                                两个 [n, Dk] 一次乘 S₀
+//     U_t = β_t (v_t − e^{G_t} P_K[t]) − Σ_{j<t} β_t Γ_tj (k_tᵀk_j) U_j     逐行前代：就是 (I + A) U = βV − (βK ⊙ e^G) S₀
+//     O_t = e^{G_t} P_Q[t] + Σ_{j≤t} Γ_tj (q_tᵀk_j) U_j
+//     S   = e^{G_n} S₀ + Σ_t e^{G_n−G_t} k_t ⊗ U_t
+// 与第 8 章只差 float32 的舍入：它先解出 (I + A)⁻¹ 再乘右端，这里直接前代（同一个三角方程）。三个大的乘积都是
+// “几行乘一个矩阵”（mul_rows），4 行 × 64 列的累加器放在寄存器里。
+
+typedef float v16 __attribute__((vector_size(64)));  // 16 个 float32：AVX-512 的一个寄存器，AVX2 上编译器拆成两个
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16 fma16(v16 acc, v16 x, float a) {  // acc + a·x（-ffp-contract=off：FMA 要明写）
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)x, (__m512)acc);
+#elif defined(__FMA__)
+  const __m256 s = _mm256_set1_ps(a);
+  __m256 lo, hi, xl, xh;
+  std::memcpy(&lo, &acc, 32), std::memcpy(&hi, (const char*)&acc + 32, 32);
+  std::memcpy(&xl, &x, 32), std::memcpy(&xh, (const char*)&x + 32, 32);
+  lo = _mm256_fmadd_ps(s, xl, lo), hi = _mm256_fmadd_ps(s, xh, hi);
+  std::memcpy(&acc, &lo, 32), std::memcpy((char*)&acc + 32, &hi, 32);
+  return acc;
+#else
+  return acc + a * x;
+#endif
+}
+
+// R 行（R ≤ 4）× 16·NV 列的一小块：Y[r, :] (+)= Σ_i X[r, i] · W[i, :]，i 从 0 到 K−1，累加器在寄存器里
+template <int R, int NV>
+void tile16(const float* X, int64_t ldx, int64_t K, const float* W, int64_t ldw, float* Y, int64_t ldy, bool add) {
+  v16 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = add ? load16(Y + r * ldy + 16 * c) : v16{};
+  for (int64_t i = 0; i < K; ++i) {
+    v16 w[NV];
+    for (int c = 0; c < NV; ++c) w[c] = load16(W + i * ldw + 16 * c);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = fma16(acc[r][c], w[c], X[r * ldx + i]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) std::memcpy(Y + r * ldy + 16 * c, &acc[r][c], sizeof(v16));
+}
+
+template <int R>
+void tile_rows(const float* X, int64_t ldx, int64_t K, const float* W, int64_t ldw, int64_t N, float* Y, int64_t ldy, bool add) {
+  int64_t c = 0;
+  for (; c + 64 <= N; c += 64) tile16<R, 4>(X, ldx, K, W + c, ldw, Y + c, ldy, add);
+  for (; c < N; c += 16) tile16<R, 1>(X, ldx, K, W + c, ldw, Y + c, ldy, add);
+}
+
+// Y [R, N] (+)= X [R, K] · W [K, N]（各自的行距 ldx、ldw、ldy；N 是 16 的倍数）：每 4 行一组
+void mul_rows(const float* X, int64_t ldx, int64_t R, int64_t K, const float* W, int64_t ldw, int64_t N, float* Y, int64_t ldy,
+              bool add) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) tile_rows<4>(X + r * ldx, ldx, K, W, ldw, N, Y + r * ldy, ldy, add);
+  for (; r < R; ++r) tile_rows<1>(X + r * ldx, ldx, K, W, ldw, N, Y + r * ldy, ldy, add);
+}
+
+// 同 l2norm，平方和按 16 个一组分开加（可以向量化；与 l2norm 只差求和顺序的舍入）。D 是 16 的倍数
+void unit16(float* x, int64_t D, float scale) {
+  v16 acc{};
+  for (int64_t i = 0; i < D; i += 16) {
+    const v16 v = load16(x + i);
+    acc += v * v;
+  }
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  const float r = scale / std::sqrt(s / D + 1e-6f / D) / std::sqrt(float(D));
+  for (int64_t i = 0; i < D; ++i) x[i] *= r;
+}
+
+inline float decay(float x) { return x < -40.0f ? 0.0f : std::exp(x); }  // 同第 8 章：e^x，x < −40 时取 0
+
+// 一个头的草稿纸：块长 C、每块的 q、k（归一化后）、它们与 k 的内积、P、U 等
+struct Scratch {
+  int64_t C, Cp, Dk, Dv;
+  std::vector<float> qk, kt, gram, P, M, A, U, G;
+  Scratch(int64_t C, int64_t Dk, int64_t Dv)
+      : C(C), Cp((C + 15) / 16 * 16), Dk(Dk), Dv(Dv), qk(2 * C * Dk), kt(Dk * Cp), gram(2 * C * Cp), P(2 * C * Dv),
+        M(C * C), A(C * C), U(C * Dv), G(C) {}
+};
+
+// 一块 n 个位置（从第 t0 个起）的 q、k：归一化（q 再乘 1/sqrt(Dk)）进 s.qk 的前 n 行、后 n 行，k 再转置进 s.kt [Dk, Cp]
+void load_chunk(const float* q0, int64_t ld, int64_t key, int64_t n, Scratch& s) {
+  std::fill(s.kt.begin(), s.kt.end(), 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    float *q = &s.qk[t * s.Dk], *k = &s.qk[(n + t) * s.Dk];
+    std::memcpy(q, q0 + t * ld, s.Dk * sizeof(float));
+    std::memcpy(k, q0 + t * ld + key, s.Dk * sizeof(float));
+    unit16(q, s.Dk, 1.0f / std::sqrt(float(s.Dk)));
+    unit16(k, s.Dk, 1.0f);
+    for (int64_t i = 0; i < s.Dk; ++i) s.kt[i * s.Cp + t] = k[i];
+  }
+}
+
+// 块内的两个下三角阵：M_tj = Γ_tj (q_tᵀk_j)（j ≤ t），A_tj = −β_t Γ_tj (k_tᵀk_j)（j < t，取负：前代时直接加）
+void triangles(const float* beta, int64_t n, Scratch& s) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < n; ++j) {
+      const float gamma = j <= t ? decay(s.G[t] - s.G[j]) : 0.0f;
+      s.M[t * s.C + j] = gamma * s.gram[t * s.Cp + j];
+      s.A[t * s.C + j] = j < t ? -beta[t] * gamma * s.gram[(n + t) * s.Cp + j] : 0.0f;
+    }
+}
+
+// 一个头走完一块（n 个位置，之后还有 next 个）：q0 是第一个位置的 q（k 在 key 之后，v 在 vo 之后，位置之间隔 ld），beta、g
+// 逐位置，Sh [Dk, Dv] 就地更新，输出 O 写进 out（位置之间隔 ldo）
+void chunk_step(const float* q0, int64_t ld, int64_t key, int64_t vo, const float* beta, const float* g, int64_t n, int64_t next,
+                float* Sh, float* out, int64_t ldo, Scratch& s) {
+  const int64_t Dk = s.Dk, Dv = s.Dv;
+  for (int64_t t = n; t < n + next; ++t)  // 下一块（next 个位置）的 q、k、v 先取进缓存：各行相隔一整行 y，硬件的预取跟不上
+    for (int64_t i = 0; i < Dk; i += 16) {
+      __builtin_prefetch(q0 + t * ld + i), __builtin_prefetch(q0 + t * ld + key + i);
+      if (i < Dv) __builtin_prefetch(q0 + t * ld + vo + i);
+    }
+  load_chunk(q0, ld, key, n, s);
+  mul_rows(s.qk.data(), Dk, 2 * n, Dk, s.kt.data(), s.Cp, s.Cp, s.gram.data(), s.Cp, false);  // [Q; K] Kᵀ
+  mul_rows(s.qk.data(), Dk, 2 * n, Dk, Sh, Dv, Dv, s.P.data(), Dv, false);                     // P = [Q; K] S₀
+  for (int64_t t = 0; t < n; ++t) s.G[t] = (t ? s.G[t - 1] : 0.0f) + g[t];
+  triangles(beta, n, s);
+  for (int64_t t = 0; t < n; ++t) {  // U_t = β_t (v_t − e^{G_t} P_K[t]) + Σ_{j<t} A_tj U_j
+    const float e = decay(s.G[t]), *v = q0 + t * ld + vo, *pk = &s.P[(n + t) * Dv];
+    float* u = &s.U[t * Dv];
+    for (int64_t j = 0; j < Dv; ++j) u[j] = beta[t] * (v[j] - e * pk[j]);
+    if (t) mul_rows(&s.A[t * s.C], s.C, 1, t, s.U.data(), Dv, Dv, u, Dv, true);
+  }
+  for (int64_t t = 0; t < n; ++t) {  // O_t = e^{G_t} P_Q[t] + Σ_{j≤t} M_tj U_j
+    const float e = decay(s.G[t]);
+    for (int64_t j = 0; j < Dv; ++j) out[t * ldo + j] = e * s.P[t * Dv + j];
+  }
+  mul_rows(s.M.data(), s.C, n, n, s.U.data(), Dv, Dv, out, ldo, true);
+  const float last = s.G[n - 1];  // S = e^{G_n} S₀ + Σ_t e^{G_n−G_t} k_t ⊗ U_t
+  for (int64_t t = 0; t < n; ++t) {
+    const float e = decay(last - s.G[t]);
+    for (int64_t i = 0; i < Dk; ++i) s.kt[i * s.Cp + t] *= e;
+  }
+  const float e = decay(last);
+  for (int64_t i = 0; i < Dk * Dv; ++i) Sh[i] *= e;
+  mul_rows(s.kt.data(), s.Cp, Dk, n, s.U.data(), Dv, Dv, Sh, Dv, true);
+}
+
+// x86 上把次正规数当 0（FTZ、DAZ），调用结束时还原：块内的衰减乘来乘去会落进次正规数，乘加它们慢十几倍（见第 8 章的 TINY）
+struct FlushDenormals {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
 }  // namespace
 
 extern "C" {
@@ -192,6 +356,29 @@ void causal_conv(const void* x, int64_t x_bf16, int64_t sb, int64_t ld, int64_t 
       conv_part(static_cast<const uint16_t*>(x), sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, y + bt * C);
     else
       conv_part(static_cast<const float*>(x), sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, y + bt * C);
+  }
+}
+
+// 长的提示词（T 个位置，分块形式，第 8 章）：卷积 + SiLU 之后的 y [B, T, C]（float32，C = 2·Hk·Dk + Hv·Dv：q、k、v），
+// beta、g [B, T, Hv]（写入强度、对数衰减），S [B, Hv, Dk, Dv] 就地更新成最后一个位置之后的记忆。q、k 在这里做 L2 归一化。
+// out [B, T, Hv, Dv]：门控 RMSNorm 之前的输出。块长 chunk（≤ 64）；各头分给各个线程。Dk、Dv 要是 16 的倍数（调用的人查）。
+// 一块一块地走，块界只看位置：同一段输入一次给完，与切成块长整数倍的几段分几次给，结果逐位相同
+void delta_chunks(const DeltaNet* p, const float* y, int64_t B, int64_t T, const float* beta, const float* g, float* S,
+                  int64_t chunk, float* out) {
+  const int64_t Dk = p->Dk, Dv = p->Dv, key = p->Hk * Dk, C = 2 * key + p->Hv * Dv, group = p->Hv / p->Hk;
+#pragma omp parallel
+  {
+    FlushDenormals flush;
+    Scratch s(chunk, Dk, Dv);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * p->Hv; ++bh) {
+      const int64_t b = bh / p->Hv, h = bh % p->Hv, hk = h / group;  // 相邻 group 个值头共用 q、k
+      std::vector<float> bt(T), gt(T);
+      for (int64_t t = 0; t < T; ++t) bt[t] = beta[(b * T + t) * p->Hv + h], gt[t] = g[(b * T + t) * p->Hv + h];
+      for (int64_t t0 = 0; t0 < T; t0 += chunk)
+        chunk_step(y + (b * T + t0) * C + hk * Dk, C, key, 2 * key + h * Dv - hk * Dk, &bt[t0], &gt[t0], std::min(chunk, T - t0),
+                   std::clamp<int64_t>(T - t0 - chunk, 0, chunk), S + bh * Dk * Dv, out + ((b * T + t0) * p->Hv + h) * Dv, p->Hv * Dv, s);
+    }
   }
 }
 }

@@ -102,6 +102,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "gemm_q4_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
     "deltanet_step": [PTR, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR],
     "causal_conv": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, I64, I64, I64],
+    "delta_chunks": [PTR, PTR, I64, I64, PTR, PTR, PTR, I64, PTR],
     "mlp_block": [PTR, PTR, PTR, I64],
     "delta_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR],
     "attention_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, I64, I64, PTR, PTR, I64, I64],
@@ -229,6 +230,15 @@ class Kernel:
         self.lib.causal_conv(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), x.stride(1), T, past.data_ptr(),
                              conv_w.data_ptr(), y.data_ptr(), B, C, conv_w.shape[0])
         return y
+
+    def delta_chunks(self, params: DeltaNetParams, y, beta, g, S, chunk: int) -> torch.Tensor:
+        """长的提示词的 DeltaNet（第 8 章的分块形式，deltanet.cpp）：y [B, T, C] 卷积 + SiLU 之后的 q、k、v（连续的 float32，
+        q、k 还没归一化），beta、g [B, T, Hv] float32，S [B, Hv, Dk, Dv] 就地更新 → 门控 RMSNorm 之前的输出 [B, T, Hv, Dv]。"""
+        B, T, _ = y.shape
+        out = torch.empty(B, T, params.Hv, params.Dv)
+        self.lib.delta_chunks(ctypes.byref(params), y.data_ptr(), B, T, beta.contiguous().data_ptr(), g.contiguous().data_ptr(),
+                              S.data_ptr(), chunk, out.data_ptr())
+        return out
 
     def mlp_block(self, params: LayerParams, x: torch.Tensor) -> torch.Tensor:
         """一层的 MLP 那一半（layer.cpp）：x [..., hidden] float32 → x + down(act(gate_up(norm(x))))，每行各算各的。"""

@@ -190,11 +190,29 @@ class FastDeltaNet(GatedDeltaNet):
     step_params = None  # deltanet.cpp 的 DeltaNet：指向这四个常量（换 step_consts 就要一起换），再加 eps 与形状
 
     def forward(self, x, state=None, valid=None, rule=recurrent_gated_delta_rule):
-        """解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token、不求导、没有左填充）且有 C++ 内核时交给 step；其余照第 7 章。"""
-        if self.step_kernel is None or state is None or valid is not None or x.shape[1] > STEP_ROWS \
-                or torch.is_grad_enabled():
+        """有 C++ 内核、有状态、不求导、没有左填充时：解码、验证草稿、短的提示词（不多于 STEP_ROWS 个 token）交给 step，
+        更长的（不记历史时）交给 chunks；其余照第 7 章。"""
+        if self.step_kernel is None or state is None or valid is not None or torch.is_grad_enabled():
             return super().forward(x, state, valid, rule)
-        return self.step(x, state)
+        if x.shape[1] <= STEP_ROWS:
+            return self.step(x, state)
+        if state.keep_history or self.head_k_dim % 16 or self.head_v_dim % 16:
+            return super().forward(x, state, valid, rule)
+        return self.chunks(x, state)
+
+    def chunks(self, x, state):
+        """长的提示词：投影、卷积、门与门控 RMSNorm 照第 7 章，q、k 的归一化与第 8 章的分块形式（块长 DELTA_CHUNK）交给
+        deltanet.cpp 的 delta_chunks：一个头一次调用走完所有块，不必每块十几个小运算。"""
+        B, T, _ = x.shape
+        qkv, z, b, a = self.project(x)
+        y, full = self.causal_conv(qkv, state)  # [B, T, C] float32（SiLU 之后）
+        beta, g = self.gates(b, a)  # [B, T, Hv]
+        S = state.S.float().contiguous() if state.S is not None else \
+            torch.zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        o = self.step_kernel.delta_chunks(self.step_params, y, beta, g, S, DELTA_CHUNK)  # [B, T, Hv, Dv]；S 就地更新
+        state.S, state.conv = S, full[:, -(self.kernel - 1):].clone(memory_format=torch.contiguous_format)
+        o = self.norm(o, z.view(B, T, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(B, T, -1).to(x.dtype))
 
     def causal_conv(self, x, state):
         """长的提示词（分块形式）：卷积在 deltanet.cpp 里一遍算完（不拼接、不先转 float32），SiLU 就地做；与第 7 章差在
