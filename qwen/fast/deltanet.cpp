@@ -25,6 +25,52 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // 同 F.softplus 的阈值 20
 
+typedef float v16 __attribute__((vector_size(64)));  // 16 个 float32：AVX-512 的一个寄存器，AVX2 上编译器拆成两个
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16 load16(const uint16_t* p) {  // 16 个 bfloat16：补上低 16 位的 0 就是 float32
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  return (v16)(__builtin_convertvector(h, v16i) << 16);
+}
+
+// 长的提示词里 SiLU 要算上百万次：std::exp 一次一个，这里 16 个一起（Cephes 的 expf：e^x = 2^n · e^r，n = round(x / ln 2)，
+// e^r 用 6 阶多项式，误差在 float32 的一两个舍入之内）。只用于长的提示词，解码、验证草稿仍用 std::exp（那里要逐位相同）
+inline v16 exp16(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  const v16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // 加减 1.5·2²³：舍入到整数
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x − n·ln 2（ln 2 拆成两段，少一次舍入）
+  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f, p = p * r + 4.1665795894e-2f, p = p * r + 1.6666665459e-1f, p = p * r + 5.0000001201e-1f;
+  const v16 er = p * r * r + r + 1.0f;
+  return er * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);  // 乘 2^n：n + 127 就是 float32 的指数位
+}
+
+inline v16 silu16(v16 x) { return x / (1.0f + exp16(-x)); }
+
+// y[0…n−1] ← silu(y)，16 个一组；不满 16 个的尾巴补到 16 个再算（每个数走同一个公式）
+void silu_span(float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = silu16(load16(y + i));
+    std::memcpy(y + i, &v, sizeof v);
+  }
+  if (i < n) {
+    float tail[16] = {};
+    std::memcpy(tail, y + i, (n - i) * sizeof(float));
+    const v16 v = silu16(load16(tail));
+    std::memcpy(y + i, &v, (n - i) * sizeof(float));
+  }
+}
+
 inline float value(float v) { return v; }
 inline float value(uint16_t v) {  // bfloat16 就是 float32 的高 16 位
   const uint32_t u = uint32_t(v) << 16;
@@ -176,13 +222,6 @@ void head_steps(const DeltaNet& p, const Input& in, const float* y, int64_t b, i
 // 与第 8 章只差 float32 的舍入：它先解出 (I + A)⁻¹ 再乘右端，这里直接前代（同一个三角方程）。三个大的乘积都是
 // “几行乘一个矩阵”（mul_rows），4 行 × 64 列的累加器放在寄存器里。
 
-typedef float v16 __attribute__((vector_size(64)));  // 16 个 float32：AVX-512 的一个寄存器，AVX2 上编译器拆成两个
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 inline v16 fma16(v16 acc, v16 x, float a) {  // acc + a·x（-ffp-contract=off：FMA 要明写）
 #if defined(__AVX512F__)
@@ -314,6 +353,23 @@ void chunk_step(const float* q0, int64_t ld, int64_t key, int64_t vo, const floa
   mul_rows(s.kt.data(), s.Cp, Dk, n, s.U.data(), Dv, Dv, Sh, Dv, true);
 }
 
+// 门控 RMSNorm 的一行（就地）：o ← w · rms(o) · silu(z)，同 gated_norm，平方和 16 个一组分开加、SiLU 用 exp16
+template <typename Z>
+void gate_row(const DeltaNet& p, float* o, const Z* z) {
+  v16 acc{};
+  for (int64_t j = 0; j < p.Dv; j += 16) {
+    const v16 v = load16(o + j);
+    acc += v * v;
+  }
+  float ss = 0.0f;
+  for (int j = 0; j < 16; ++j) ss += acc[j];
+  const float r = 1.0f / std::sqrt(ss / p.Dv + p.eps);
+  for (int64_t j = 0; j < p.Dv; j += 16) {
+    const v16 v = load16(o + j) * r * load16(p.norm_w + j) * silu16(load16(z + j));
+    std::memcpy(o + j, &v, sizeof v);
+  }
+}
+
 // x86 上把次正规数当 0（FTZ、DAZ），调用结束时还原：块内的衰减乘来乘去会落进次正规数，乘加它们慢十几倍（见第 8 章的 TINY）
 struct FlushDenormals {
 #if defined(__SSE__)
@@ -344,7 +400,7 @@ void deltanet_step(const DeltaNet* p, const float* proj, int64_t sb, int64_t ld,
 }
 
 // 长的提示词（分块形式，第 8 章）的卷积：x [B, T, C]（第 b 行第 t 个位置在 x + b·sb + t·ld；x_bf16 时是 bfloat16），窗口
-// conv [B, K−1, C]，conv_w [K, C] → y [B, T, C] float32（还没有 SiLU：调用的人就地做，PyTorch 的 exp 是向量化的）。
+// conv [B, K−1, C]，conv_w [K, C] → y [B, T, C] float32，已过 SiLU（exp16）。
 // 一遍读完输入、写一遍输出，不必先拼接、转 float32，再四次乘加各读写一遍 [B, T, C]
 void causal_conv(const void* x, int64_t x_bf16, int64_t sb, int64_t ld, int64_t T, const float* conv, const float* conv_w,
                  float* y, int64_t B, int64_t C, int64_t K) {
@@ -356,15 +412,17 @@ void causal_conv(const void* x, int64_t x_bf16, int64_t sb, int64_t ld, int64_t 
       conv_part(static_cast<const uint16_t*>(x), sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, y + bt * C);
     else
       conv_part(static_cast<const float*>(x), sb, ld, conv, conv_w, bt / T, bt % T, C, K, c0, c1, y + bt * C);
+    silu_span(y + bt * C + c0, c1 - c0);
   }
 }
 
 // 长的提示词（T 个位置，分块形式，第 8 章）：卷积 + SiLU 之后的 y [B, T, C]（float32，C = 2·Hk·Dk + Hv·Dv：q、k、v），
 // beta、g [B, T, Hv]（写入强度、对数衰减），S [B, Hv, Dk, Dv] 就地更新成最后一个位置之后的记忆。q、k 在这里做 L2 归一化。
-// out [B, T, Hv, Dv]：门控 RMSNorm 之前的输出。块长 chunk（≤ 64）；各头分给各个线程。Dk、Dv 要是 16 的倍数（调用的人查）。
+// 输出门 z：第 b 行第 t 个位置在 z + b·zb + t·zt（z_bf16 时是 bfloat16），[Hv·Dv]。out [B, T, Hv, Dv]：门控 RMSNorm 之后、
+// out_proj 之前的输出。块长 chunk（≤ 64）；各头分给各个线程。Dk、Dv 要是 16 的倍数（调用的人查）。
 // 一块一块地走，块界只看位置：同一段输入一次给完，与切成块长整数倍的几段分几次给，结果逐位相同
 void delta_chunks(const DeltaNet* p, const float* y, int64_t B, int64_t T, const float* beta, const float* g, float* S,
-                  int64_t chunk, float* out) {
+                  int64_t chunk, const void* z, int64_t z_bf16, int64_t zb, int64_t zt, float* out) {
   const int64_t Dk = p->Dk, Dv = p->Dv, key = p->Hk * Dk, C = 2 * key + p->Hv * Dv, group = p->Hv / p->Hk;
 #pragma omp parallel
   {
@@ -375,9 +433,16 @@ void delta_chunks(const DeltaNet* p, const float* y, int64_t B, int64_t T, const
       const int64_t b = bh / p->Hv, h = bh % p->Hv, hk = h / group;  // 相邻 group 个值头共用 q、k
       std::vector<float> bt(T), gt(T);
       for (int64_t t = 0; t < T; ++t) bt[t] = beta[(b * T + t) * p->Hv + h], gt[t] = g[(b * T + t) * p->Hv + h];
-      for (int64_t t0 = 0; t0 < T; t0 += chunk)
-        chunk_step(y + (b * T + t0) * C + hk * Dk, C, key, 2 * key + h * Dv - hk * Dk, &bt[t0], &gt[t0], std::min(chunk, T - t0),
+      for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const int64_t n = std::min(chunk, T - t0);
+        chunk_step(y + (b * T + t0) * C + hk * Dk, C, key, 2 * key + h * Dv - hk * Dk, &bt[t0], &gt[t0], n,
                    std::clamp<int64_t>(T - t0 - chunk, 0, chunk), S + bh * Dk * Dv, out + ((b * T + t0) * p->Hv + h) * Dv, p->Hv * Dv, s);
+        for (int64_t t = t0; t < t0 + n; ++t) {  // 门控 RMSNorm：这一块的输出还在缓存里
+          float* o = out + ((b * T + t) * p->Hv + h) * Dv;
+          if (z_bf16) gate_row(*p, o, static_cast<const uint16_t*>(z) + b * zb + t * zt + h * Dv);
+          else gate_row(*p, o, static_cast<const float*>(z) + b * zb + t * zt + h * Dv);
+        }
+      }
     }
   }
 }

@@ -201,21 +201,20 @@ class FastDeltaNet(GatedDeltaNet):
         return self.chunks(x, state)
 
     def chunks(self, x, state):
-        """长的提示词：投影、卷积、门与门控 RMSNorm 照第 7 章，q、k 的归一化与第 8 章的分块形式（块长 DELTA_CHUNK）交给
-        deltanet.cpp 的 delta_chunks：一个头一次调用走完所有块，不必每块十几个小运算。"""
+        """长的提示词：投影与门照第 7 章，卷积 + SiLU（causal_conv）与 q、k 的归一化、第 8 章的分块形式（块长 DELTA_CHUNK）、
+        门控 RMSNorm 交给 deltanet.cpp：一个头一次调用走完所有块，不必每块十几个小运算。"""
         B, T, _ = x.shape
         qkv, z, b, a = self.project(x)
         y, full = self.causal_conv(qkv, state)  # [B, T, C] float32（SiLU 之后）
         beta, g = self.gates(b, a)  # [B, T, Hv]
         S = state.S.float().contiguous() if state.S is not None else \
             torch.zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        o = self.step_kernel.delta_chunks(self.step_params, y, beta, g, S, DELTA_CHUNK)  # [B, T, Hv, Dv]；S 就地更新
+        o = self.step_kernel.delta_chunks(self.step_params, y, beta, g, z, S, DELTA_CHUNK)  # [B, T, Hv·Dv]；S 就地更新
         state.S, state.conv = S, full[:, -(self.kernel - 1):].clone(memory_format=torch.contiguous_format)
-        o = self.norm(o, z.view(B, T, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(o.reshape(B, T, -1).to(x.dtype))
+        return self.out_proj(o.to(x.dtype))
 
     def causal_conv(self, x, state):
-        """长的提示词（分块形式）：卷积在 deltanet.cpp 里一遍算完（不拼接、不先转 float32），SiLU 就地做；与第 7 章差在
+        """长的提示词（分块形式）：卷积与 SiLU 在 deltanet.cpp 里一遍算完（不拼接、不先转 float32）；与第 7 章差在
         float32 的舍入之内。求导、记历史（要完整的输入）或没有 C++ 内核时照第 7 章。"""
         if self.step_kernel is None or torch.is_grad_enabled() or (state is not None and state.keep_history):
             return super().causal_conv(x, state)
@@ -223,7 +222,7 @@ class FastDeltaNet(GatedDeltaNet):
         has_past = state is not None and state.conv is not None
         past = state.conv.float().contiguous() if has_past else x.new_zeros(B, self.kernel - 1, C, dtype=torch.float32)
         y = self.step_kernel.causal_conv(x, past, self.step_consts[0])  # [B, T, C]
-        return F.silu(y, inplace=True), torch.cat([past, x[:, -(self.kernel - 1):].float()], dim=1)  # 只用到最后 K−1 个输入
+        return y, torch.cat([past, x[:, -(self.kernel - 1):].float()], dim=1)  # 只用到最后 K−1 个输入
 
     def step(self, x, state):
         """x [B, T, hidden]，T ≤ STEP_ROWS：投影一次，deltanet.cpp 逐个位置地走（mix），最后 out_proj。"""
