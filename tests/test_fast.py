@@ -394,9 +394,10 @@ def test_fast_chunk_rule_is_the_recurrence():
 
 
 def test_prefill_rows_in_pieces_are_each_row_alone():
-    """行多时（预填充）matvec 一段一段地乘（一段的输入约 256 KB，留在 L2 里）：输入维 4100 时 float32 一段 8 行、int8、int4
-    一段 56 行、一对一对的 bfloat16 一段 24 行，70 行跨了几段，每一行仍与单独乘它时逐位相同。一对一对的 bfloat16 多于 32 行
-    也走这个内核（不拼回普通布局），与定义只差在求和与输出的舍入之内。"""
+    """行多时（预填充）matvec 一段一段地乘（一段的输入约 256 KB，留在 L2 里）：输入维 4100 时 float32 一段 8 行、一对一对的
+    bfloat16 一段 24 行，70 行跨了几段；int8、int4 在有 AVX-512 VNNI 时换成 16 行一片的内核（输入维 129 组分成 9 段，最后一片
+    只有 6 行）。每一行仍与单独乘它时逐位相同。一对一对的 bfloat16 多于 32 行也走这个内核（不拼回普通布局），与定义只差在
+    求和与输出的舍入之内。"""
     kernel = load_matvec()
     w = torch.randn(100, 4100, generator=torch.Generator().manual_seed(11))
     x = torch.randn(70, 4100, generator=torch.Generator().manual_seed(12))

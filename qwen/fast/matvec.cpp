@@ -476,25 +476,42 @@ struct QuantizedRows {
 inline float value(float v) { return v; }
 inline float value(uint16_t v) { return bf16_to_float(v); }
 
+// 一组 QIN 个输入 v → q = round(v / dx)（就近、平局取偶），返回 dx = max|v| / 127；sum 是 Σ q
+inline float quantize_group(const float* v, int8_t* q, int32_t* sum) {
+#if defined(__AVX512F__)
+  if constexpr (QIN == 32) {  // 同下面的逐个运算（除法、舍入都是逐个数精确规定的），只是 16 个一起：结果逐位相同
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.0f;
+    const __m512 dv = _mm512_set1_ps(d == 0.0f ? 1.0f : d);  // d = 0 时全部输入都是 0，q 也是 0
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(a, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(b, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    return d;
+  }
+#endif
+  float amax = 0.0f;
+  for (int i = 0; i < QIN; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / 127.0f;
+  int32_t s = 0;
+  for (int i = 0; i < QIN; ++i) {
+    q[i] = d == 0.0f ? 0 : int8_t(std::nearbyint(v[i] / d));
+    s += q[i];
+  }
+  *sum = s;
+  return d;
+}
+
 template <typename X>  // 输入 x 是 float32 或 bfloat16（bfloat16 的模型不必先转成 float32）
 QuantizedRows quantize_rows(const X* x, int64_t M, int64_t n_in, int64_t groups) {
   QuantizedRows r{std::vector<int8_t>(M * groups * QIN), std::vector<float>(M * groups), std::vector<int32_t>(M * groups)};
 #pragma omp parallel for schedule(static) if (M * n_in >= 65536 && !omp_in_parallel())  // 预填充的几百行：各行分给各个线程
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < groups; ++c) {
-      float v[QIN];  // 这一组的输入（补的是 0）：定长的循环，编译器整组向量化
+      float v[QIN];  // 这一组的输入（补的是 0）
       for (int i = 0; i < QIN; ++i) v[i] = c * QIN + i < n_in ? value(x[m * n_in + c * QIN + i]) : 0.0f;
-      float amax = 0.0f;
-      for (int i = 0; i < QIN; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f;
-      int32_t sum = 0;
-      for (int i = 0; i < QIN; ++i) {
-        const int8_t q = d == 0.0f ? 0 : int8_t(std::nearbyint(v[i] / d));
-        r.xq[(m * groups + c) * QIN + i] = q;
-        sum += q;
-      }
-      r.dx[m * groups + c] = d;
-      r.sum[m * groups + c] = sum;
+      r.dx[m * groups + c] = quantize_group(v, &r.xq[(m * groups + c) * QIN], &r.sum[m * groups + c]);
     }
   return r;
 }
@@ -605,6 +622,129 @@ void int_tile(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups, co
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// ---------- 行多时（预填充）：16 行放进一个向量的 16 格 ----------
+//
+// 上面的内核把 32 个输出放进向量的格子，每行的 4 个输入广播出来：8 行 × 2 个向量的整数累加器，再加上同样多的 float32
+// 累加器，32 个寄存器放不下，每组（32 个输入）换算 float32 时要进出 L1。行多时反过来：一个向量装 16 行的同 4 个输入
+// （x + 128，无符号的一边），一个输出的 4 个权重直接从内存广播进 vpdpbusd（有符号的一边，int8 原样，int4 先解成 q）。
+// 8 个输出 × 16 行：整数与 float32 的累加器各 8 个，都在寄存器里。整数和多出的 128 · Σ_组 w 是权重的常数，每块算一次。
+// 每一行、每个输出做的运算与上面逐个相同（同一组的精确整数和，同样的乘 dx、乘比例、乘加的顺序），结果逐位相同：
+// int4 上面的高 4 位和是 16 倍、比例乘 1/16，两个精确的 2 的幂相抵，乘积与这里的一样（见 Int4）。
+constexpr int LANE_OUT = 8;    // 一次算几个输出
+constexpr int64_t LANE_SEG = 16;  // 输入维一段几组
+typedef int32_t int32_alias __attribute__((may_alias));  // 把 4 个 int8 当一个 int32 读
+
+// acc + Σ_t xv.u8[4i + t] · w[t]（w 是内存里的 4 个 int8，广播到 16 格）：广播写进这条 vpdpbusd 本身（{1to16}），不另占
+// 一条指令、一个寄存器。编译器不肯这样合，所以明写
+inline __m512i dot_broadcast(__m512i acc, __m512i xv, const int32_alias* w) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(xv), "m"(*w));
+  return acc;
+}
+
+// 量化好的 M 行重排成每 16 行一片：xu [片, 组·8, 16, 4]（x + 128），dx [片, 组, 16]；不满 16 行的补 x = 0、dx = 0
+struct LaneRows {
+  std::vector<uint8_t> xu;
+  std::vector<float> dx;
+};
+
+LaneRows lane_rows(const QuantizedRows& x, int64_t m0, int64_t m1, int64_t groups) {
+  const int64_t tiles = (m1 - m0 + 15) / 16, quads = groups * (QIN / 4);
+  LaneRows r{std::vector<uint8_t>(tiles * quads * 64, 128), std::vector<float>(tiles * groups * 16, 0.0f)};
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t t = (m - m0) / 16, lane = (m - m0) % 16;
+    for (int64_t p = 0; p < quads; ++p) {  // 4 个 int8 一起搬：x + 128 就是每个字节异或 0x80
+      uint32_t four;
+      std::memcpy(&four, &x.xq[m * groups * QIN + 4 * p], 4);
+      four ^= 0x80808080u;
+      std::memcpy(&r.xu[((t * quads + p) * 16 + lane) * 4], &four, 4);
+    }
+    for (int64_t c = 0; c < groups; ++c) r.dx[(t * groups + c) * 16 + lane] = x.dx[m * groups + c];
+  }
+  return r;
+}
+
+// 一块的权重作 vpdpbusd 有符号的一边 [组·8, 32, 4] int8（返回它：int8 就是 w 本身；int4 解成 q = 存的 − 8，写进 wq），
+// corr [组, 32] 是 −128 · Σ_组 q，sw [组, 32] 是 int4 每组的比例（float32）
+template <typename Q>
+const int8_t* lane_weights(const uint8_t* w, const void* scales, int64_t groups, std::vector<int8_t>& wq, std::vector<int32_t>& corr,
+                           std::vector<float>& sw) {
+  const int64_t quads = groups * (QIN / 4);
+  const int8_t* q = std::is_same_v<Q, Int8> ? reinterpret_cast<const int8_t*>(w) : wq.data();  // int8 不必复制
+  if constexpr (std::is_same_v<Q, Int4>)
+    for (int64_t p = 0; p < quads; ++p)
+      for (int j = 0; j < 16; ++j)
+        for (int t = 0; t < 4; ++t) {
+          const uint8_t b = w[p * 64 + 4 * j + t];
+          wq[p * 128 + 4 * j + t] = int8_t((b & 0x0F) - 8), wq[p * 128 + 4 * (j + 16) + t] = int8_t((b >> 4) - 8);
+        }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t c = 0; c < groups; ++c) {
+    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+    for (int p = 0; p < QIN / 4; ++p) {
+      lo = _mm512_dpbusd_epi32(lo, ones, _mm512_loadu_si512(q + (c * (QIN / 4) + p) * 128));
+      hi = _mm512_dpbusd_epi32(hi, ones, _mm512_loadu_si512(q + (c * (QIN / 4) + p) * 128 + 64));
+    }
+    _mm512_storeu_si512(&corr[c * 32], _mm512_mullo_epi32(lo, _mm512_set1_epi32(-128)));
+    _mm512_storeu_si512(&corr[c * 32 + 16], _mm512_mullo_epi32(hi, _mm512_set1_epi32(-128)));
+    if constexpr (std::is_same_v<Q, Int4>)
+      for (int j = 0; j < 32; ++j) sw[c * 32 + j] = half_to_float(static_cast<const uint16_t*>(scales)[c * 32 + j]);
+  }
+  return q;
+}
+
+// 一片 16 行 × 第 j0…j0+7 个输出，第 c0…c1−1 组：累加进 out [8, 16]（第 o 个输出的 16 行；c0 = 0 时从 0 起），
+// int8 在最后一组（c1 = groups）之后乘每个输出的比例
+template <typename Q>
+void lane_tile(const uint8_t* xu, const float* dx, int64_t c0, int64_t c1, int64_t groups, const int8_t* wq, const int32_t* corr,
+               const float* sw, const float* s8, int j0, float* out) {
+  __m512 acc[LANE_OUT];
+  for (int o = 0; o < LANE_OUT; ++o) acc[o] = c0 > 0 ? _mm512_loadu_ps(out + o * 16) : _mm512_setzero_ps();
+  for (int64_t c = c0; c < c1; ++c) {
+    __m512i dot[LANE_OUT];
+    for (int o = 0; o < LANE_OUT; ++o) dot[o] = _mm512_set1_epi32(corr[c * 32 + j0 + o]);
+    for (int p = 0; p < QIN / 4; ++p) {
+      const int64_t q = c * (QIN / 4) + p;
+      const __m512i xv = _mm512_loadu_si512(xu + q * 64);
+      const int32_alias* four = reinterpret_cast<const int32_alias*>(wq + q * 128 + 4 * j0);
+      for (int o = 0; o < LANE_OUT; ++o) dot[o] = dot_broadcast(dot[o], xv, four + o);
+    }
+    const __m512 d = _mm512_loadu_ps(dx + c * 16);
+    for (int o = 0; o < LANE_OUT; ++o) {
+      const __m512 scale = std::is_same_v<Q, Int4> ? _mm512_mul_ps(_mm512_set1_ps(sw[c * 32 + j0 + o]), d) : d;
+      acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[o]), scale, acc[o]);
+    }
+  }
+  for (int o = 0; o < LANE_OUT; ++o) {
+    if (std::is_same_v<Q, Int8> && c1 == groups) acc[o] = _mm512_mul_ps(acc[o], _mm512_set1_ps(s8[j0 + o]));
+    _mm512_storeu_ps(out + o * 16, acc[o]);
+  }
+}
+
+// 第 m0…m1−1 行乘第 b 块（lanes 是这几行重排好的）：每片 16 行、每次 8 个输出，转回 [行, 32] 写进 y
+template <typename Q>
+void lane_block(const LaneRows& lanes, int64_t m0, int64_t m1, int64_t groups, const uint8_t* w, const void* s, Out y,
+                int64_t B, int64_t b) {
+  const int64_t quads = groups * (QIN / 4);
+  std::vector<int8_t> wq(std::is_same_v<Q, Int4> ? quads * 128 : 0);
+  std::vector<int32_t> corr(groups * 32);
+  std::vector<float> sw(std::is_same_v<Q, Int4> ? groups * 32 : 0);
+  const int8_t* q = lane_weights<Q>(w + b * quads * Q::QUAD, block_scales<Q>(s, groups, b), groups, wq, corr, sw);
+  const float* s8 = std::is_same_v<Q, Int8> ? static_cast<const float*>(block_scales<Q>(s, groups, b)) : nullptr;
+  for (int64_t t = 0; t * 16 < m1 - m0; ++t) {
+    float part[32 * 16], rows[16][32];
+    for (int64_t c0 = 0; c0 < groups; c0 += LANE_SEG)  // 输入维分段：一段的输入与权重（共 24 KB）留在 L1 里，4 次 8 个输出都读它
+      for (int j0 = 0; j0 < 32; j0 += LANE_OUT)
+        lane_tile<Q>(&lanes.xu[t * quads * 64], &lanes.dx[t * groups * 16], c0, std::min(groups, c0 + LANE_SEG), groups, q,
+                     corr.data(), sw.data(), s8, j0, part + j0 * 16);
+    for (int j = 0; j < 32; ++j)
+      for (int r = 0; r < 16; ++r) rows[r][j] = part[j * 16 + r];
+    for (int64_t r = 0; r < std::min<int64_t>(16, m1 - m0 - t * 16); ++r) y.put((m0 + t * 16 + r) * B * BLOCK + b * BLOCK, rows[r]);
+  }
+}
+constexpr int64_t LANE_FROM = 48;  // 至少这么多行才走这里（更少时上面的内核不慢）
+#endif
+
 // x [M, in] float32 乘量化的块 w（int4 [B, 补齐的 in / 4, 64] 字节与比例 [B, 组, 32] float16；int8 [B, 补齐的 in / 4, 32, 4]
 // 与比例 [B, 32] float32）→ y [M, B·32]
 template <typename Q>
@@ -613,6 +753,19 @@ void matvec_quantized(const QuantizedRows& xq, int64_t M, int64_t n_in, const ui
   // 一次只乘一块（不像浮点的块那样行少时同时乘相邻的几块）：解码一行时同时乘 4 块，每个线程要同时读 8 条流（4 块的
   // 权重与比例），从内存读得反而慢（数字见 docs/perf-history.md）
   const int64_t rows = chunk_rows(M, groups * QIN, QROWS);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (QIN == 32 && BLOCK == 32 && M >= LANE_FROM) {
+    // 一段的输入（重排后约 4 MB）留在 L3 里：每块的权重（解开、求和一次）乘完一整段，不必像上面那样每 256 KB 一段就把全部
+    // 权重再读一遍、int4 再解一遍
+    const int64_t lane_rows_at_once = std::min<int64_t>(M, std::max<int64_t>(16, (4 << 20) / (groups * QIN) / 16 * 16));
+    for (int64_t m0 = 0; m0 < M; m0 += lane_rows_at_once) {
+      const int64_t m1 = std::min(M, m0 + lane_rows_at_once);
+      const LaneRows lanes = lane_rows(xq, m0, m1, groups);
+      for_tiles<1>(B, 1, B * n_in, [&](auto, int64_t b) { lane_block<Q>(lanes, m0, m1, groups, w, s, y, B, b); });
+    }
+    return;
+  }
+#endif
   for (int64_t m0 = 0; m0 < M; m0 += rows)
     for_tiles<1>(B, 1, B * n_in, [&](auto n, int64_t b) {
       int_tile<Q, decltype(n)::value>(xq, m0, std::min(M, m0 + rows), groups, w, s, y, B, b);
