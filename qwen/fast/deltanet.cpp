@@ -247,7 +247,12 @@ void tile16(const float* X, int64_t ldx, int64_t K, const float* W, int64_t ldw,
     for (int c = 0; c < NV; ++c) acc[r][c] = add ? load16(Y + r * ldy + 16 * c) : v16{};
   for (int64_t i = 0; i < K; ++i) {
     v16 w[NV];
-    for (int c = 0; c < NV; ++c) w[c] = load16(W + i * ldw + 16 * c);
+    for (int c = 0; c < NV; ++c) {
+      w[c] = load16(W + i * ldw + 16 * c);
+#if defined(__AVX512F__)
+      __asm__("" : "+v"(w[c]));  // 留在寄存器里：不然编译器让每条 FMA 各从内存读一遍，读的次数是乘加的 R 倍
+#endif
+    }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < NV; ++c) acc[r][c] = fma16(acc[r][c], w[c], X[r * ldx + i]);
   }
@@ -288,19 +293,49 @@ inline float decay(float x) { return x < -40.0f ? 0.0f : std::exp(x); }  // 同�
 // 一个头的草稿纸：块长 C、每块的 q、k（归一化后）、它们与 k 的内积、P、U 等
 struct Scratch {
   int64_t C, Cp, Dk, Dv;
-  std::vector<float> qk, kt, gram, P, M, A, U, G;
+  std::vector<float> qk, v, kt, gram, P, M, A, U, G;
   Scratch(int64_t C, int64_t Dk, int64_t Dv)
-      : C(C), Cp((C + 15) / 16 * 16), Dk(Dk), Dv(Dv), qk(2 * C * Dk), kt(Dk * Cp), gram(2 * C * Cp), P(2 * C * Dv),
+      : C(C), Cp((C + 15) / 16 * 16), Dk(Dk), Dv(Dv), qk(2 * C * Dk), v(C * Dv), kt(Dk * Cp), gram(2 * C * Cp), P(2 * C * Dv),
         M(C * C), A(C * C), U(C * Dv), G(C) {}
 };
 
-// 一块 n 个位置（从第 t0 个起）的 q、k：归一化（q 再乘 1/sqrt(Dk)）进 s.qk 的前 n 行、后 n 行，k 再转置进 s.kt [Dk, Cp]
-void load_chunk(const float* q0, int64_t ld, int64_t key, int64_t n, Scratch& s) {
+// 一个头读的输入：in_proj 的输出 x（第 t 个位置在 x + t·ld，X 是 float32 或 bfloat16），它之前的卷积窗口 past [K−1, C]，
+// 卷积核 conv_w [K, C]；这个头的 q、k、v 在第 qc、kc、vc 个通道起
+template <typename X>
+struct Source {
+  const X* x;
+  int64_t ld;
+  const float *past, *conv_w;
+  int64_t K, C, qc, kc, vc;
+};
+
+// 第 t0…t0+n−1 个位置、通道 c0…c0+D−1 的卷积 + SiLU → dst [n, D]：y = Σ_j w[j] · x_{t−K+1+j}，j 从 0 起依次乘、加
+// （同 conv_part，16 个通道一起），再过 SiLU（exp16）
+template <typename X>
+void conv_rows(const Source<X>& src, int64_t t0, int64_t n, int64_t c0, int64_t D, float* dst) {
+  for (int64_t t = t0; t < t0 + n; ++t)
+    for (int64_t c = c0; c < c0 + D; c += 16) {
+      v16 y{};
+      for (int64_t j = 0; j < src.K; ++j) {
+        const int64_t at = t - src.K + 1 + j;
+        const v16 in = at < 0 ? load16(src.past + (src.K - 1 + at) * src.C + c) : load16(src.x + at * src.ld + c);
+        y = j == 0 ? in * load16(src.conv_w + j * src.C + c) : y + in * load16(src.conv_w + j * src.C + c);
+      }
+      const v16 out = silu16(y);
+      std::memcpy(dst + (t - t0) * D + c - c0, &out, sizeof out);
+    }
+}
+
+// 一块 n 个位置（从第 t0 个起）的 q、k、v：卷积 + SiLU，q、k 再归一化（q 再乘 1/sqrt(Dk)）进 s.qk 的前 n 行、后 n 行，v 进
+// s.v，k 再转置进 s.kt [Dk, Cp]
+template <typename X>
+void load_chunk(const Source<X>& src, int64_t t0, int64_t n, Scratch& s) {
+  conv_rows(src, t0, n, src.qc, s.Dk, s.qk.data());
+  conv_rows(src, t0, n, src.kc, s.Dk, s.qk.data() + n * s.Dk);
+  conv_rows(src, t0, n, src.vc, s.Dv, s.v.data());
   std::fill(s.kt.begin(), s.kt.end(), 0.0f);
   for (int64_t t = 0; t < n; ++t) {
     float *q = &s.qk[t * s.Dk], *k = &s.qk[(n + t) * s.Dk];
-    std::memcpy(q, q0 + t * ld, s.Dk * sizeof(float));
-    std::memcpy(k, q0 + t * ld + key, s.Dk * sizeof(float));
     unit16(q, s.Dk, 1.0f / std::sqrt(float(s.Dk)));
     unit16(k, s.Dk, 1.0f);
     for (int64_t i = 0; i < s.Dk; ++i) s.kt[i * s.Cp + t] = k[i];
@@ -317,23 +352,24 @@ void triangles(const float* beta, int64_t n, Scratch& s) {
     }
 }
 
-// 一个头走完一块（n 个位置，之后还有 next 个）：q0 是第一个位置的 q（k 在 key 之后，v 在 vo 之后，位置之间隔 ld），beta、g
-// 逐位置，Sh [Dk, Dv] 就地更新，输出 O 写进 out（位置之间隔 ldo）
-void chunk_step(const float* q0, int64_t ld, int64_t key, int64_t vo, const float* beta, const float* g, int64_t n, int64_t next,
-                float* Sh, float* out, int64_t ldo, Scratch& s) {
+// 一个头走完一块（第 t0 起 n 个位置，之后还有 next 个）：beta、g 逐位置，Sh [Dk, Dv] 就地更新，输出 O 写进 out（位置之间隔 ldo）
+template <typename X>
+void chunk_step(const Source<X>& src, int64_t t0, const float* beta, const float* g, int64_t n, int64_t next, float* Sh,
+                float* out, int64_t ldo, Scratch& s) {
   const int64_t Dk = s.Dk, Dv = s.Dv;
-  for (int64_t t = n; t < n + next; ++t)  // 下一块（next 个位置）的 q、k、v 先取进缓存：各行相隔一整行 y，硬件的预取跟不上
-    for (int64_t i = 0; i < Dk; i += 16) {
-      __builtin_prefetch(q0 + t * ld + i), __builtin_prefetch(q0 + t * ld + key + i);
-      if (i < Dv) __builtin_prefetch(q0 + t * ld + vo + i);
+  for (int64_t t = t0 + n; t < t0 + n + next; ++t)  // 下一块的输入先取进缓存：各位置相隔一整行 in_proj 的输出，硬件的预取跟不上
+    for (int64_t i = 0; i < Dk * int64_t(sizeof(X)); i += 64) {
+      const char* row = reinterpret_cast<const char*>(src.x + t * src.ld);
+      __builtin_prefetch(row + src.qc * sizeof(X) + i), __builtin_prefetch(row + src.kc * sizeof(X) + i);
+      if (i < Dv * int64_t(sizeof(X))) __builtin_prefetch(row + src.vc * sizeof(X) + i);
     }
-  load_chunk(q0, ld, key, n, s);
+  load_chunk(src, t0, n, s);
   mul_rows(s.qk.data(), Dk, 2 * n, Dk, s.kt.data(), s.Cp, s.Cp, s.gram.data(), s.Cp, false);  // [Q; K] Kᵀ
   mul_rows(s.qk.data(), Dk, 2 * n, Dk, Sh, Dv, Dv, s.P.data(), Dv, false);                     // P = [Q; K] S₀
   for (int64_t t = 0; t < n; ++t) s.G[t] = (t ? s.G[t - 1] : 0.0f) + g[t];
   triangles(beta, n, s);
   for (int64_t t = 0; t < n; ++t) {  // U_t = β_t (v_t − e^{G_t} P_K[t]) + Σ_{j<t} A_tj U_j
-    const float e = decay(s.G[t]), *v = q0 + t * ld + vo, *pk = &s.P[(n + t) * Dv];
+    const float e = decay(s.G[t]), *v = &s.v[t * Dv], *pk = &s.P[(n + t) * Dv];
     float* u = &s.U[t * Dv];
     for (int64_t j = 0; j < Dv; ++j) u[j] = beta[t] * (v[j] - e * pk[j]);
     if (t) mul_rows(&s.A[t * s.C], s.C, 1, t, s.U.data(), Dv, Dv, u, Dv, true);
@@ -379,6 +415,20 @@ struct FlushDenormals {
 #endif
 };
 
+// 一个头 (b, h) 走完 T 个位置的所有块，每块之后做门控 RMSNorm（输出门 z 在 in_proj 输出里 qkv 之后，这一块的输出还在缓存里）
+template <typename X>
+void chunk_head(const DeltaNet& p, const Source<X>& src, int64_t T, int64_t h, const float* beta, const float* g, float* Sh,
+                int64_t chunk, float* out, Scratch& s) {
+  std::vector<float> bt(T), gt(T);
+  for (int64_t t = 0; t < T; ++t) bt[t] = beta[t * p.Hv + h], gt[t] = g[t * p.Hv + h];
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t n = std::min(chunk, T - t0);
+    float* o = out + t0 * p.Hv * p.Dv + h * p.Dv;  // 这个头在第 t0 个位置的输出
+    chunk_step(src, t0, &bt[t0], &gt[t0], n, std::clamp<int64_t>(T - t0 - chunk, 0, chunk), Sh, o, p.Hv * p.Dv, s);
+    for (int64_t t = 0; t < n; ++t) gate_row(p, o + t * p.Hv * p.Dv, src.x + (t0 + t) * src.ld + src.C + h * p.Dv);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -416,13 +466,14 @@ void causal_conv(const void* x, int64_t x_bf16, int64_t sb, int64_t ld, int64_t 
   }
 }
 
-// 长的提示词（T 个位置，分块形式，第 8 章）：卷积 + SiLU 之后的 y [B, T, C]（float32，C = 2·Hk·Dk + Hv·Dv：q、k、v），
-// beta、g [B, T, Hv]（写入强度、对数衰减），S [B, Hv, Dk, Dv] 就地更新成最后一个位置之后的记忆。q、k 在这里做 L2 归一化。
-// 输出门 z：第 b 行第 t 个位置在 z + b·zb + t·zt（z_bf16 时是 bfloat16），[Hv·Dv]。out [B, T, Hv, Dv]：门控 RMSNorm 之后、
-// out_proj 之前的输出。块长 chunk（≤ 64）；各头分给各个线程。Dk、Dv 要是 16 的倍数（调用的人查）。
-// 一块一块地走，块界只看位置：同一段输入一次给完，与切成块长整数倍的几段分几次给，结果逐位相同
-void delta_chunks(const DeltaNet* p, const float* y, int64_t B, int64_t T, const float* beta, const float* g, float* S,
-                  int64_t chunk, const void* z, int64_t z_bf16, int64_t zb, int64_t zt, float* out) {
+// 长的提示词（T 个位置，分块形式，第 8 章）：proj 是 in_proj 的输出（第 b 行第 t 个位置在 proj + b·sb + t·ld，依次是
+// qkv [C]、z [Hv·Dv]、b、a；x_bf16 时是 bfloat16，否则 float32），conv [B, K−1, C] 是这之前的卷积窗口，beta、g [B, T, Hv]
+// （写入强度、对数衰减），S [B, Hv, Dk, Dv] 就地更新成最后一个位置之后的记忆。卷积 + SiLU、q 与 k 的 L2 归一化、分块形式、
+// 门控 RMSNorm 都在这里 → out [B, T, Hv·Dv]（out_proj 之前）。块长 chunk（≤ 64）；各头分给各个线程，每个头只卷积自己的
+// 通道，卷积的结果不写回内存。Dk、Dv 要是 16 的倍数（调用的人查）。一块一块地走，块界只看位置：同一段输入一次给完，
+// 与切成块长整数倍的几段分几次给，结果逐位相同
+void delta_chunks(const DeltaNet* p, const void* proj, int64_t x_bf16, int64_t sb, int64_t ld, int64_t B, int64_t T,
+                  const float* conv, const float* beta, const float* g, float* S, int64_t chunk, float* out) {
   const int64_t Dk = p->Dk, Dv = p->Dv, key = p->Hk * Dk, C = 2 * key + p->Hv * Dv, group = p->Hv / p->Hk;
 #pragma omp parallel
   {
@@ -431,17 +482,17 @@ void delta_chunks(const DeltaNet* p, const float* y, int64_t B, int64_t T, const
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * p->Hv; ++bh) {
       const int64_t b = bh / p->Hv, h = bh % p->Hv, hk = h / group;  // 相邻 group 个值头共用 q、k
-      std::vector<float> bt(T), gt(T);
-      for (int64_t t = 0; t < T; ++t) bt[t] = beta[(b * T + t) * p->Hv + h], gt[t] = g[(b * T + t) * p->Hv + h];
-      for (int64_t t0 = 0; t0 < T; t0 += chunk) {
-        const int64_t n = std::min(chunk, T - t0);
-        chunk_step(y + (b * T + t0) * C + hk * Dk, C, key, 2 * key + h * Dv - hk * Dk, &bt[t0], &gt[t0], n,
-                   std::clamp<int64_t>(T - t0 - chunk, 0, chunk), S + bh * Dk * Dv, out + ((b * T + t0) * p->Hv + h) * Dv, p->Hv * Dv, s);
-        for (int64_t t = t0; t < t0 + n; ++t) {  // 门控 RMSNorm：这一块的输出还在缓存里
-          float* o = out + ((b * T + t) * p->Hv + h) * Dv;
-          if (z_bf16) gate_row(*p, o, static_cast<const uint16_t*>(z) + b * zb + t * zt + h * Dv);
-          else gate_row(*p, o, static_cast<const float*>(z) + b * zb + t * zt + h * Dv);
-        }
+      const float* past = conv + b * (p->K - 1) * C;
+      const float *bb = beta + b * T * p->Hv, *gb = g + b * T * p->Hv;
+      float *Sh = S + bh * Dk * Dv, *ob = out + b * T * p->Hv * Dv;
+      if (x_bf16) {
+        const Source<uint16_t> src{static_cast<const uint16_t*>(proj) + b * sb, ld, past, p->conv_w, p->K, C, hk * Dk, key + hk * Dk,
+                                   2 * key + h * Dv};
+        chunk_head(*p, src, T, h, bb, gb, Sh, chunk, ob, s);
+      } else {
+        const Source<float> src{static_cast<const float*>(proj) + b * sb, ld, past, p->conv_w, p->K, C, hk * Dk, key + hk * Dk,
+                                2 * key + h * Dv};
+        chunk_head(*p, src, T, h, bb, gb, Sh, chunk, ob, s);
       }
     }
   }

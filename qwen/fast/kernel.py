@@ -102,7 +102,7 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "gemm_q4_amx": [PTR, I64, I64, PTR, PTR, I64, PTR],
     "deltanet_step": [PTR, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR],
     "causal_conv": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, I64, I64, I64],
-    "delta_chunks": [PTR, PTR, I64, I64, PTR, PTR, PTR, I64, PTR, I64, I64, I64, PTR],
+    "delta_chunks": [PTR, PTR, I64, I64, I64, I64, I64, PTR, PTR, PTR, PTR, I64, PTR],
     "mlp_block": [PTR, PTR, PTR, I64],
     "delta_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR],
     "attention_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, I64, I64, PTR, PTR, I64, I64],
@@ -231,17 +231,17 @@ class Kernel:
                              conv_w.data_ptr(), y.data_ptr(), B, C, conv_w.shape[0])
         return y
 
-    def delta_chunks(self, params: DeltaNetParams, y, beta, g, z, S, chunk: int) -> torch.Tensor:
-        """长的提示词的 DeltaNet（第 8 章的分块形式，deltanet.cpp）：y [B, T, C] 卷积 + SiLU 之后的 q、k、v（连续的 float32，
-        q、k 还没归一化），beta、g [B, T, Hv] float32，输出门 z [B, T, Hv·Dv]（float32 或 bfloat16，最后一维连续，可以是
-        in_proj 输出的一段），S [B, Hv, Dk, Dv] 就地更新 → 门控 RMSNorm 之后的输出 [B, T, Hv·Dv] float32。"""
-        B, T, _ = y.shape
-        if z.stride(-1) != 1 or z.dtype not in (torch.float32, torch.bfloat16):
-            z = z.float().contiguous()
+    def delta_chunks(self, params: DeltaNetParams, proj, conv, beta, g, S, chunk: int) -> torch.Tensor:
+        """长的提示词的 DeltaNet 层在 in_proj 与 out_proj 之间的一段（第 8 章的分块形式，deltanet.cpp）：proj [B, T, P] 是
+        in_proj 的输出（float32 或 bfloat16，最后一维连续；qkv、z、b、a 依次排开），conv [B, K−1, C] float32 窗口，beta、g
+        [B, T, Hv] float32，S [B, Hv, Dk, Dv] 就地更新 → 门控 RMSNorm 之后的输出 [B, T, Hv·Dv] float32。"""
+        B, T, _ = proj.shape
+        if proj.stride(-1) != 1 or proj.dtype not in (torch.float32, torch.bfloat16):
+            proj = proj.float().contiguous()
         out = torch.empty(B, T, params.Hv * params.Dv)
-        self.lib.delta_chunks(ctypes.byref(params), y.data_ptr(), B, T, beta.contiguous().data_ptr(), g.contiguous().data_ptr(),
-                              S.data_ptr(), chunk, z.data_ptr(), z.dtype == torch.bfloat16, z.stride(0), z.stride(1),
-                              out.data_ptr())
+        self.lib.delta_chunks(ctypes.byref(params), proj.data_ptr(), proj.dtype == torch.bfloat16, proj.stride(0), proj.stride(1),
+                              B, T, conv.data_ptr(), beta.contiguous().data_ptr(), g.contiguous().data_ptr(), S.data_ptr(),
+                              chunk, out.data_ptr())
         return out
 
     def mlp_block(self, params: LayerParams, x: torch.Tensor) -> torch.Tensor:

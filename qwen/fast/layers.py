@@ -201,16 +201,19 @@ class FastDeltaNet(GatedDeltaNet):
         return self.chunks(x, state)
 
     def chunks(self, x, state):
-        """长的提示词：投影与门照第 7 章，卷积 + SiLU（causal_conv）与 q、k 的归一化、第 8 章的分块形式（块长 DELTA_CHUNK）、
-        门控 RMSNorm 交给 deltanet.cpp：一个头一次调用走完所有块，不必每块十几个小运算。"""
+        """长的提示词：投影与门照第 7 章；卷积 + SiLU、q 与 k 的归一化、第 8 章的分块形式（块长 DELTA_CHUNK）、门控 RMSNorm
+        交给 deltanet.cpp 的 delta_chunks：一个头一次调用走完所有块，卷积的结果不写回内存，不必每块十几个小运算。"""
         B, T, _ = x.shape
-        qkv, z, b, a = self.project(x)
-        y, full = self.causal_conv(qkv, state)  # [B, T, C] float32（SiLU 之后）
+        proj = self.in_proj(x)  # [B, T, P]：qkv、z、b、a
+        C = 2 * self.key_dim + self.value_dim
+        b, a = proj[..., -2 * self.num_v_heads :].split(self.num_v_heads, dim=-1)
         beta, g = self.gates(b, a)  # [B, T, Hv]
+        past = state.conv.float().contiguous() if state.conv is not None else torch.zeros(B, self.kernel - 1, C)
         S = state.S.float().contiguous() if state.S is not None else \
             torch.zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        o = self.step_kernel.delta_chunks(self.step_params, y, beta, g, z, S, DELTA_CHUNK)  # [B, T, Hv·Dv]；S 就地更新
-        state.S, state.conv = S, full[:, -(self.kernel - 1):].clone(memory_format=torch.contiguous_format)
+        o = self.step_kernel.delta_chunks(self.step_params, proj, past, beta, g, S, DELTA_CHUNK)  # [B, T, Hv·Dv]；S 就地更新
+        window = torch.cat([past, proj[:, -(self.kernel - 1):, :C].float()], dim=1)[:, -(self.kernel - 1):]  # 最近 K−1 个输入
+        state.S, state.conv = S, window.contiguous()
         return self.out_proj(o.to(x.dtype))
 
     def causal_conv(self, x, state):
