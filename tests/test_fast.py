@@ -821,6 +821,21 @@ def test_long_prompt_chunks_in_cpp_equal_the_chapter():
     assert torch.equal(halves, got) and torch.equal(states[3].S, states[2].S)
 
 
+def test_long_prompt_attention_in_cpp_equals_sdpa():
+    """长的提示词的注意力（attention.cpp，在线 softmax）：两行、4 个查询头共用一个键值头、缓存里已有 45 个位置、70 个查询
+    （最后一片不满 32 个）、缓存有空余的容量，与 SDPA 加因果掩码只差 float32 的舍入；缓存里已有的位置也看得见。"""
+    kernel = load_matvec()
+    B, H, Hkv, T, D, L, cap = 2, 8, 2, 70, 32, 115, 160
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, T, D, generator=g)
+    k_buf, v_buf = torch.randn(B, Hkv, cap, D, generator=g) * 2, torch.randn(B, Hkv, cap, D, generator=g)
+    got = kernel.attention_prefill(q, k_buf, v_buf, L)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(L - T)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k_buf[:, :, :L].double(), v_buf[:, :, :L].double(),
+                                                            attn_mask=mask, enable_gqa=True)
+    assert (got - want.transpose(1, 2).reshape(B, T, H * D)).abs().max().item() <= 1e-5
+
+
 def test_the_structs_shared_by_two_sources_are_written_the_same():
     """DeltaNet、Attention 两个结构各写在两处（deltanet.cpp / attention.cpp 与 layer.cpp，各自编译）：一字不差，ctypes 的
     DeltaNetParams、AttentionParams 与它们逐个字段同名、同序。"""

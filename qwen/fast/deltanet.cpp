@@ -19,42 +19,13 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
+
 namespace {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // 同 F.softplus 的阈值 20
-
-typedef float v16 __attribute__((vector_size(64)));  // 16 个 float32：AVX-512 的一个寄存器，AVX2 上编译器拆成两个
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline v16 load16(const uint16_t* p) {  // 16 个 bfloat16：补上低 16 位的 0 就是 float32
-  v16h h;
-  std::memcpy(&h, p, sizeof h);
-  return (v16)(__builtin_convertvector(h, v16i) << 16);
-}
-
-// 长的提示词里 SiLU 要算上百万次：std::exp 一次一个，这里 16 个一起（Cephes 的 expf：e^x = 2^n · e^r，n = round(x / ln 2)，
-// e^r 用 6 阶多项式，误差在 float32 的一两个舍入之内）。只用于长的提示词，解码、验证草稿仍用 std::exp（那里要逐位相同）
-inline v16 exp16(v16 x) {
-  x = x < -87.0f ? v16{} - 87.0f : x;
-  x = x > 88.0f ? v16{} + 88.0f : x;
-  const v16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // 加减 1.5·2²³：舍入到整数
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x − n·ln 2（ln 2 拆成两段，少一次舍入）
-  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f, p = p * r + 4.1665795894e-2f, p = p * r + 1.6666665459e-1f, p = p * r + 5.0000001201e-1f;
-  const v16 er = p * r * r + r + 1.0f;
-  return er * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);  // 乘 2^n：n + 127 就是 float32 的指数位
-}
-
-inline v16 silu16(v16 x) { return x / (1.0f + exp16(-x)); }
 
 // y[0…n−1] ← silu(y)，16 个一组；不满 16 个的尾巴补到 16 个再算（每个数走同一个公式）
 void silu_span(float* y, int64_t n) {
@@ -220,60 +191,7 @@ void head_steps(const DeltaNet& p, const Input& in, const float* y, int64_t b, i
 //     O_t = e^{G_t} P_Q[t] + Σ_{j≤t} Γ_tj (q_tᵀk_j) U_j
 //     S   = e^{G_n} S₀ + Σ_t e^{G_n−G_t} k_t ⊗ U_t
 // 与第 8 章只差 float32 的舍入：它先解出 (I + A)⁻¹ 再乘右端，这里直接前代（同一个三角方程）。三个大的乘积都是
-// “几行乘一个矩阵”（mul_rows），4 行 × 64 列的累加器放在寄存器里。
-
-
-inline v16 fma16(v16 acc, v16 x, float a) {  // acc + a·x（-ffp-contract=off：FMA 要明写）
-#if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)x, (__m512)acc);
-#elif defined(__FMA__)
-  const __m256 s = _mm256_set1_ps(a);
-  __m256 lo, hi, xl, xh;
-  std::memcpy(&lo, &acc, 32), std::memcpy(&hi, (const char*)&acc + 32, 32);
-  std::memcpy(&xl, &x, 32), std::memcpy(&xh, (const char*)&x + 32, 32);
-  lo = _mm256_fmadd_ps(s, xl, lo), hi = _mm256_fmadd_ps(s, xh, hi);
-  std::memcpy(&acc, &lo, 32), std::memcpy((char*)&acc + 32, &hi, 32);
-  return acc;
-#else
-  return acc + a * x;
-#endif
-}
-
-// R 行（R ≤ 4）× 16·NV 列的一小块：Y[r, :] (+)= Σ_i X[r, i] · W[i, :]，i 从 0 到 K−1，累加器在寄存器里
-template <int R, int NV>
-void tile16(const float* X, int64_t ldx, int64_t K, const float* W, int64_t ldw, float* Y, int64_t ldy, bool add) {
-  v16 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = add ? load16(Y + r * ldy + 16 * c) : v16{};
-  for (int64_t i = 0; i < K; ++i) {
-    v16 w[NV];
-    for (int c = 0; c < NV; ++c) {
-      w[c] = load16(W + i * ldw + 16 * c);
-#if defined(__AVX512F__)
-      __asm__("" : "+v"(w[c]));  // 留在寄存器里：不然编译器让每条 FMA 各从内存读一遍，读的次数是乘加的 R 倍
-#endif
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < NV; ++c) acc[r][c] = fma16(acc[r][c], w[c], X[r * ldx + i]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) std::memcpy(Y + r * ldy + 16 * c, &acc[r][c], sizeof(v16));
-}
-
-template <int R>
-void tile_rows(const float* X, int64_t ldx, int64_t K, const float* W, int64_t ldw, int64_t N, float* Y, int64_t ldy, bool add) {
-  int64_t c = 0;
-  for (; c + 64 <= N; c += 64) tile16<R, 4>(X, ldx, K, W + c, ldw, Y + c, ldy, add);
-  for (; c < N; c += 16) tile16<R, 1>(X, ldx, K, W + c, ldw, Y + c, ldy, add);
-}
-
-// Y [R, N] (+)= X [R, K] · W [K, N]（各自的行距 ldx、ldw、ldy；N 是 16 的倍数）：每 4 行一组
-void mul_rows(const float* X, int64_t ldx, int64_t R, int64_t K, const float* W, int64_t ldw, int64_t N, float* Y, int64_t ldy,
-              bool add) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) tile_rows<4>(X + r * ldx, ldx, K, W, ldw, N, Y + r * ldy, ldy, add);
-  for (; r < R; ++r) tile_rows<1>(X + r * ldx, ldx, K, W, ldw, N, Y + r * ldy, ldy, add);
-}
+// “几行乘一个矩阵”（simd.h 的 mul_rows）。
 
 // 同 l2norm，平方和按 16 个一组分开加（可以向量化；与 l2norm 只差求和顺序的舍入）。D 是 16 的倍数
 void unit16(float* x, int64_t D, float scale) {

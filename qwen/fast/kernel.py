@@ -32,6 +32,7 @@ from .sizes import BLOCK, QGROUP
 
 SOURCES = [Path(__file__).with_name(f) for f in ("matvec.cpp", "deltanet.cpp", "norm.cpp", "amx.cpp", "attention.cpp",
                                                  "layer.cpp")]  # 编进同一个 .so
+HEADERS = [Path(__file__).with_name("simd.h")]  # 几个源文件共用的向量小工具（改了它也要重新编译）
 # 各自编成 .o、同时编译的几份：matvec.cpp 最大，分成浮点与整数两半各编一遍（QWEN_PART），两个核都用上
 UNITS = [(SOURCES[0], ["-DQWEN_PART=1"]), (SOURCES[0], ["-DQWEN_PART=2"]), *((src, []) for src in SOURCES[1:])]
 # 块的宽度与量化的组长由这里交给 C++（sizes.py 是唯一的出处）
@@ -52,7 +53,7 @@ def cpu_fingerprint() -> str:
 
 def kernel_file(cxx: str, flags=FLAGS) -> Path:
     """这台机器、这个编译器用 flags 编译 SOURCES 得到的 .so 该在哪儿。"""
-    key = "\n".join([*(s.read_text() for s in SOURCES), cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(), " ".join(flags)])
+    key = "\n".join([*(s.read_text() for s in SOURCES + HEADERS), cxx, str(os.stat(cxx).st_mtime_ns), cpu_fingerprint(), " ".join(flags)])
     return record_file("kernels") / f"matvec-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
 
 
@@ -104,6 +105,8 @@ ENTRIES = {  # matvec.cpp 的入口 → 参数类型（名字里是源与结果�
     "causal_conv": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, I64, I64, I64],
     "delta_chunks": [PTR, PTR, I64, I64, I64, I64, I64, PTR, PTR, PTR, PTR, I64, PTR],
     "mlp_block": [PTR, PTR, PTR, I64],
+    "act_rows": [PTR, I64, I64, I64, PTR],
+    "attention_prefill": [PTR, I64, I64, I64, I64, PTR, PTR, I64, I64, I64, PTR],
     "delta_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR],
     "attention_layer": [PTR, PTR, PTR, I64, I64, PTR, PTR, I64, I64, PTR, PTR, I64, I64],
     "attention_step": [PTR, PTR, I64, I64, I64, I64, PTR, PTR, I64, I64, PTR, PTR, I64, I64, PTR],
@@ -242,6 +245,25 @@ class Kernel:
         self.lib.delta_chunks(ctypes.byref(params), proj.data_ptr(), proj.dtype == torch.bfloat16, proj.stride(0), proj.stride(1),
                               B, T, conv.data_ptr(), beta.contiguous().data_ptr(), g.contiguous().data_ptr(), S.data_ptr(),
                               chunk, out.data_ptr())
+        return out
+
+    def attention_prefill(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> torch.Tensor:
+        """长的提示词的注意力（attention.cpp，FlashAttention 的在线 softmax）：q [B, H, T, D] float32，缓存 k_buf、v_buf
+        [B, Hkv, cap, D]（连续的 float32）的前 length 个位置（最后 T 个是这些查询自己）→ [B, T, H·D]（输出门之前）。"""
+        B, H, T, D = q.shape
+        q = q.contiguous()
+        out = torch.empty(B, T, H * D)
+        self.lib.attention_prefill(q.data_ptr(), B, H, T, D, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[1], k_buf.shape[2],
+                                   length, out.data_ptr())
+        return out
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU 的激活 silu(gate) · up（layer.cpp 的 act_rows，与 mlp_block 里的同一个）：gate_up [..., 2·inter]（bfloat16
+        或 float32，gate 在前）→ [..., inter]，同 dtype。"""
+        gu = gate_up.contiguous()
+        inter = gu.shape[-1] // 2
+        out = gu.new_empty(*gu.shape[:-1], inter)
+        self.lib.act_rows(gu.data_ptr(), gu.dtype == torch.bfloat16, gu.numel() // gu.shape[-1], inter, out.data_ptr())
         return out
 
     def mlp_block(self, params: LayerParams, x: torch.Tensor) -> torch.Tensor:

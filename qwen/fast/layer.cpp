@@ -11,7 +11,7 @@
 // 残差流是 float32。所以服务时几个请求拼在一起的 layer_many（share.py，逐个运算地调用这些内核）与单独解码的这一串
 // 逐位相同；每一行各算各的，验证的行与单独解码的行也逐位相同（第 14 章）。
 // 激活在 PyTorch 里是 F.silu(g) * u：bfloat16 时先把 silu 舍入成 bfloat16、再乘、再舍入，这里照做（exp 是下面的多项式，
-// 与 PyTorch 的向量化 exp 可能差一点舍入：所以行数多的预填充照旧用 PyTorch，行数少的这几条路径都用这里的，见 layers.py）。
+// 与 PyTorch 的向量化 exp 可能差一点舍入）。长的提示词（行多）的激活也用这里的（act_rows），只有编译的图里照旧是 PyTorch。
 
 #include <algorithm>
 #include <cmath>
@@ -349,6 +349,20 @@ extern "C" {
 // 一层的 MLP 那一半（混合器在 Python 里走时——没有缓存、左填充、服务时拼在一起的 layer_many——之后调用这个）：
 // x [M, hidden] float32 → out（可以就是 x）
 void mlp_block(const Layer* p, const float* x, float* out, int64_t M) { mlp_half(*p, x, M, out); }
+// 长的提示词的激活（行多，layers.py 的 FastMLP）：gu [M, 2·inter]（前一半 gate，后一半 up；bf16 时是 bfloat16，否则 float32）
+// → a [M, inter]，与 mlp_block 里的是同一个 act，各行分给各个线程
+void act_rows(const void* gu, int64_t bf16, int64_t M, int64_t inter, void* a) {
+#pragma omp parallel for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    if (bf16) {
+      const uint16_t* g = static_cast<const uint16_t*>(gu) + m * 2 * inter;
+      act_bf16(g, g + inter, inter, static_cast<uint16_t*>(a) + m * inter);
+    } else {
+      const float* g = static_cast<const float*>(gu) + m * 2 * inter;
+      act_f32(g, g + inter, inter, static_cast<float*>(a) + m * inter);
+    }
+  }
+}
 
 // DeltaNet 层的一整层：x [B, T, hidden] float32 → out，B 行、各 T 个相继的位置。conv、conv_out、S、history 同
 // deltanet.cpp 的 deltanet_step；proj_out：空，或 [B, T, in_proj 的输出] float32，写下 in_proj 的输出（记历史时

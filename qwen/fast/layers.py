@@ -142,7 +142,14 @@ class FastMLP(MLP):
         return self.down_proj(self.act(self.gate_up(x)))
 
     def act(self, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)  # gate_proj、up_proj 拼成一个矩阵
+        """silu(gate) · up。长的提示词（多于 STEP_ROWS 行，分块布局、不求导、不在编译的图里）一次 C 调用（layer.cpp 的
+        act_rows，各行分给两个线程），其余照第 4 章（gate_proj、up_proj 拼成了一个矩阵）。"""
+        kernel = getattr(self.down_proj, "kernel", None)
+        long = gate_up.numel() > STEP_ROWS * gate_up.shape[-1]
+        if kernel is not None and long and gate_up.dtype in (torch.bfloat16, torch.float32) and not torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            return kernel.act(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
@@ -152,12 +159,27 @@ class FastAttention(Attention):
 
     def attend(self, q, k, v, state, valid):
         """在整步编译的图里（step.py 给状态挂上 offset）：写缓存、读缓存都交给自定义算子 cached_attention；
-        图外没有左填充时用 attend_cache（解码一个 token、缓存又不短时按键值头分组）；其余照第 6 章。"""
+        图外没有左填充时：长的提示词用 attention.cpp 的 attention_prefill，其余用 attend_cache（解码一个 token、缓存又不短时
+        按键值头分组）；其余照第 6 章。"""
         if getattr(state, "offset", None) is not None:
             return torch.ops.qwen_fast.cached_attention(q, k, v, state.k_buf, state.v_buf, state.offset)
         if valid is not None or state is None:
             return super().attend(q, k, v, state, valid)
+        if (kernel := self.prefill_kernel(q, state)) is not None:  # 长的提示词：attention.cpp 的预填充注意力
+            state.append(k, v)
+            return kernel.attention_prefill(q, state.k_buf, state.v_buf, state.length)
         return attend_cache(q, *state.append(k, v))
+
+    def prefill_kernel(self, q, state):
+        """长的提示词（多于 STEP_ROWS 个查询）走 attention.cpp 时的内核（分块布局、不求导、不在编译的图里、缓存是连续的
+        float32，头的维数是 16 的倍数）；否则 None。"""
+        kernel = getattr(self.qkv, "kernel", None)
+        if kernel is None or q.shape[2] <= STEP_ROWS or q.shape[3] % 16 or torch.is_grad_enabled() \
+                or torch.compiler.is_compiling() or q.dtype != torch.float32:
+            return None
+        if state.k_buf is not None and not (state.k_buf.dtype == torch.float32 and state.k_buf.is_contiguous()):
+            return None
+        return kernel
 
     def can_step(self, state, valid) -> bool:
         """attention.cpp 接不接得下：有缓存、没有左填充，缓存是连续存放的 float32（章节里的缓存本来就是）。"""
