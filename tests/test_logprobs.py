@@ -32,10 +32,12 @@ def test_speculative_logprobs_equal_plain_and_the_whole_forward(lively, path):
     assert r.tokens == want and r.hits > 0 and scored(r.tokens) == scored(want)
     if path != "float32":  # 量化与 bfloat16 的整段前向用的是别的内核（预填充），只差在舍入之内，不逐位比
         return
-    with torch.inference_mode():  # 整段一次前向：第 i 个生成的 token 在提示词之后第 i 行上
+    # 整段一次前向：第 i 个生成的 token 在提示词之后第 i 行上。35 个 token 走预填充的内核（分块形式、注意力、激活），
+    # 与逐个解码只差 float32 的舍入（这个模型上约 1e-5；逐个解码与 transformers 之差是 2.4e-5）
+    with torch.inference_mode():
         rows = model(torch.cat([ids, torch.tensor([tokens[:-1]])], 1))[0, ids.shape[1] - 1 :].float().log_softmax(-1)
     for row, e in zip(rows, tokens):
-        assert e.logprob == pytest.approx(float(row[e]), abs=1e-5)
+        assert e.logprob == pytest.approx(float(row[e]), abs=2e-5)
         assert [t for t, _ in e.top] == row.topk(3).indices.tolist() and e.top[0][1] >= e.logprob
 
 
