@@ -15,10 +15,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
-
 #include "simd.h"
 
 namespace {
@@ -260,6 +256,17 @@ void load_chunk(const Source<X>& src, int64_t t0, int64_t n, Scratch& s) {
   }
 }
 
+// 下一块（第 t0 起 next 个位置）的输入先取进缓存：各位置相隔一整行 in_proj 的输出，硬件的预取跟不上
+template <typename X>
+void prefetch_chunk(const Source<X>& src, int64_t t0, int64_t next, const Scratch& s) {
+  for (int64_t t = t0; t < t0 + next; ++t)
+    for (int64_t i = 0; i < s.Dk * int64_t(sizeof(X)); i += 64) {
+      const char* row = reinterpret_cast<const char*>(src.x + t * src.ld);
+      __builtin_prefetch(row + src.qc * sizeof(X) + i), __builtin_prefetch(row + src.kc * sizeof(X) + i);
+      if (i < s.Dv * int64_t(sizeof(X))) __builtin_prefetch(row + src.vc * sizeof(X) + i);
+    }
+}
+
 // 块内的两个下三角阵：M_tj = Γ_tj (q_tᵀk_j)（j ≤ t），A_tj = −β_t Γ_tj (k_tᵀk_j)（j < t，取负：前代时直接加）
 void triangles(const float* beta, int64_t n, Scratch& s) {
   for (int64_t t = 0; t < n; ++t)
@@ -270,18 +277,10 @@ void triangles(const float* beta, int64_t n, Scratch& s) {
     }
 }
 
-// 一个头走完一块（第 t0 起 n 个位置，之后还有 next 个）：beta、g 逐位置，Sh [Dk, Dv] 就地更新，输出 O 写进 out（位置之间隔 ldo）
-template <typename X>
-void chunk_step(const Source<X>& src, int64_t t0, const float* beta, const float* g, int64_t n, int64_t next, float* Sh,
-                float* out, int64_t ldo, Scratch& s) {
+// 一个头走完一块（n 个位置，q、k、v 已由 load_chunk 放进 s）：beta、g 逐位置，Sh [Dk, Dv] 就地更新，输出 O 写进 out
+// （位置之间隔 ldo）。与输入的 dtype 无关：只编译一份
+void chunk_step(const float* beta, const float* g, int64_t n, float* Sh, float* out, int64_t ldo, Scratch& s) {
   const int64_t Dk = s.Dk, Dv = s.Dv;
-  for (int64_t t = t0 + n; t < t0 + n + next; ++t)  // 下一块的输入先取进缓存：各位置相隔一整行 in_proj 的输出，硬件的预取跟不上
-    for (int64_t i = 0; i < Dk * int64_t(sizeof(X)); i += 64) {
-      const char* row = reinterpret_cast<const char*>(src.x + t * src.ld);
-      __builtin_prefetch(row + src.qc * sizeof(X) + i), __builtin_prefetch(row + src.kc * sizeof(X) + i);
-      if (i < Dv * int64_t(sizeof(X))) __builtin_prefetch(row + src.vc * sizeof(X) + i);
-    }
-  load_chunk(src, t0, n, s);
   mul_rows(s.qk.data(), Dk, 2 * n, Dk, s.kt.data(), s.Cp, s.Cp, s.gram.data(), s.Cp, false);  // [Q; K] Kᵀ
   mul_rows(s.qk.data(), Dk, 2 * n, Dk, Sh, Dv, Dv, s.P.data(), Dv, false);                     // P = [Q; K] S₀
   for (int64_t t = 0; t < n; ++t) s.G[t] = (t ? s.G[t - 1] : 0.0f) + g[t];
@@ -327,9 +326,9 @@ void gate_row(const DeltaNet& p, float* o, const Z* z) {
 // x86 上把次正规数当 0（FTZ、DAZ），调用结束时还原：块内的衰减乘来乘去会落进次正规数，乘加它们慢十几倍（见第 8 章的 TINY）
 struct FlushDenormals {
 #if defined(__SSE__)
-  unsigned saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
-  ~FlushDenormals() { _mm_setcsr(saved); }
+  unsigned saved = __builtin_ia32_stmxcsr();
+  FlushDenormals() { __builtin_ia32_ldmxcsr(saved | 0x8040); }
+  ~FlushDenormals() { __builtin_ia32_ldmxcsr(saved); }
 #endif
 };
 
@@ -342,7 +341,9 @@ void chunk_head(const DeltaNet& p, const Source<X>& src, int64_t T, int64_t h, c
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     float* o = out + t0 * p.Hv * p.Dv + h * p.Dv;  // 这个头在第 t0 个位置的输出
-    chunk_step(src, t0, &bt[t0], &gt[t0], n, std::clamp<int64_t>(T - t0 - chunk, 0, chunk), Sh, o, p.Hv * p.Dv, s);
+    prefetch_chunk(src, t0 + n, std::clamp<int64_t>(T - t0 - chunk, 0, chunk), s);
+    load_chunk(src, t0, n, s);
+    chunk_step(&bt[t0], &gt[t0], n, Sh, o, p.Hv * p.Dv, s);
     for (int64_t t = 0; t < n; ++t) gate_row(p, o + t * p.Hv * p.Dv, src.x + (t0 + t) * src.ld + src.C + h * p.Dv);
   }
 }

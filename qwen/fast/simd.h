@@ -2,16 +2,13 @@
 //
 // 16 个 float32 一个向量（GCC 的向量扩展：AVX-512 上是一个寄存器，AVX2 上编译器拆成两个，别的 CPU 上拆得更碎），
 // 一个 16 宽的 exp，和“几行乘一个矩阵”（mul_rows：4 行 × 64 列的累加器放在寄存器里，权重的一行读一次乘 4 行）。
-// -ffp-contract=off（kernel.py）：乘加要 FMA 就明写（fma16）。
+// -ffp-contract=off（kernel.py）：乘加要 FMA 就明写（fma16）。不包含 <immintrin.h>：它有几万行，每个源文件编译时光读它
+// 就要 0.3 s，而第一次运行要等编译（第 14 章）。
 
 #pragma once
 
 #include <cstdint>
 #include <cstring>
-
-#if defined(__AVX__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -47,16 +44,17 @@ inline v16 exp16(v16 x) {
 
 inline v16 silu16(v16 x) { return x / (1.0f + exp16(-x)); }
 
-inline v16 fma16(v16 acc, v16 x, float a) {  // acc + a·x（-ffp-contract=off：FMA 要明写）
+// acc + a·x（-ffp-contract=off：FMA 要明写）。用的是 <immintrin.h> 里 _mm512_fmadd_ps、_mm256_fmadd_ps 背后的编译器内建函数
+// （GCC 与 Clang 同名），不包含那个头文件；AVX2 上两半各一条，别的 CPU 上先乘再加
+typedef float v8 __attribute__((vector_size(32)));
+inline v16 fma16(v16 acc, v16 x, float a) {
 #if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)x, (__m512)acc);
+  return __builtin_ia32_vfmaddps512_mask(x, v16{} + a, acc, -1, 4);  // 4：_MM_FROUND_CUR_DIRECTION
 #elif defined(__FMA__)
-  const __m256 s = _mm256_set1_ps(a);
-  __m256 lo, hi, xl, xh;
-  std::memcpy(&lo, &acc, 32), std::memcpy(&hi, (const char*)&acc + 32, 32);
-  std::memcpy(&xl, &x, 32), std::memcpy(&xh, (const char*)&x + 32, 32);
-  lo = _mm256_fmadd_ps(s, xl, lo), hi = _mm256_fmadd_ps(s, xh, hi);
-  std::memcpy(&acc, &lo, 32), std::memcpy((char*)&acc + 32, &hi, 32);
+  v8 half[2], xs[2];
+  std::memcpy(half, &acc, sizeof acc), std::memcpy(xs, &x, sizeof x);
+  for (int i = 0; i < 2; ++i) half[i] = __builtin_ia32_vfmaddps256(xs[i], v8{} + a, half[i]);
+  std::memcpy(&acc, half, sizeof acc);
   return acc;
 #else
   return acc + a * x;
