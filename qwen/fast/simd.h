@@ -89,8 +89,9 @@ void tile_rows(const float* X, int64_t ldx, int64_t K, const float* W, int64_t l
   for (; c < N; c += 16) tile16<R, 1>(X, ldx, K, W + c, ldw, Y + c, ldy, add);
 }
 
-// Y [R, N] (+)= X [R, K] · W [K, N]（各自的行距 ldx、ldw、ldy；N 是 16 的倍数）：每 4 行一组
-void mul_rows(const float* X, int64_t ldx, int64_t R, int64_t K, const float* W, int64_t ldw, int64_t N, float* Y, int64_t ldy,
+// Y [R, N] (+)= X [R, K] · W [K, N]（各自的行距 ldx、ldw、ldy；N 是 16 的倍数）：每 4 行一组。不内联：十来处调用各展开
+// 一份要多编译好几百毫秒，调用本身的开销比一次乘积小得多
+__attribute__((noinline)) void mul_rows(const float* X, int64_t ldx, int64_t R, int64_t K, const float* W, int64_t ldw, int64_t N, float* Y, int64_t ldy,
               bool add) {
   int64_t r = 0;
   for (; r + 4 <= R; r += 4) tile_rows<4>(X + r * ldx, ldx, K, W, ldw, N, Y + r * ldy, ldy, add);
