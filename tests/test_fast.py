@@ -465,6 +465,32 @@ def test_every_vector_width_computes_the_same_rows(narrower):
                         assert torch.allclose(got, matvec_blocks(x[:rows], blocks, s), atol=tol), (isa, blocks.dtype, rows)
 
 
+def test_every_vector_width_runs_the_long_prompt_kernels_alike(narrower):
+    """长的提示词的三个内核（DeltaNet 的 delta_chunks、注意力、激活，simd.h 的 16 宽向量）：更窄的每一种有 FMA 的与这台
+    机器的逐位相同（AVX2 上一个 16 宽的向量是两半、各一条 FMA），不用 FMA 的只差舍入。"""
+    from qwen.fast.kernel import DeltaNetParams
+
+    native, g = load_matvec(), torch.Generator().manual_seed(0)
+    Hk, Hv, D, T = 2, 4, 32, 100
+    C = 2 * Hk * D + Hv * D
+    proj = torch.randn(1, T, C + Hv * D + 2 * Hv, generator=g).bfloat16()
+    beta, decay = torch.rand(1, T, Hv, generator=g), -3 * torch.rand(1, T, Hv, generator=g)
+    conv_w, zeros, norm_w = 0.3 * torch.randn(4, C, generator=g), torch.zeros(Hv), torch.ones(D)
+    params = DeltaNetParams(conv_w.data_ptr(), zeros.data_ptr(), zeros.data_ptr(), norm_w.data_ptr(), 1e-6, Hk, Hv, D, D, 4)
+    past = torch.randn(1, 3, C, generator=g)
+    q, k_buf, v_buf = (torch.randn(shape, generator=g) for shape in ((1, 8, 70, 32), (1, 2, 160, 32), (1, 2, 160, 32)))
+
+    def run(kernel):
+        S = torch.zeros(1, Hv, D, D)
+        out = kernel.delta_chunks(params, proj, past, beta, decay, S, 32)
+        return out, S, kernel.attention_prefill(q, k_buf, v_buf, 115), kernel.act(proj[..., :64].contiguous())
+
+    want = run(native)
+    for isa, narrow in narrower.items():
+        for got, ref in zip(run(narrow), want):
+            assert torch.equal(got, ref) if narrow.fma else torch.allclose(got.float(), ref.float(), atol=1e-4), isa
+
+
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_every_vector_width_decodes_and_speculates(lively, narrower, monkeypatch, quantize):
     """更窄的每一种内核跑整个模型（matvec、deltanet_step、rms_norm 都是它的）：bfloat16 与 int8、int4 的权重，贪心解码
