@@ -189,16 +189,9 @@ void head_steps(const DeltaNet& p, const Input& in, const float* y, int64_t b, i
 // 与第 8 章只差 float32 的舍入：它先解出 (I + A)⁻¹ 再乘右端，这里直接前代（同一个三角方程）。三个大的乘积都是
 // “几行乘一个矩阵”（simd.h 的 mul_rows）。
 
-// 同 l2norm，平方和按 16 个一组分开加（可以向量化；与 l2norm 只差求和顺序的舍入）。D 是 16 的倍数
+// 同 l2norm，平方和用 simd.h 的 sum_squares（16 个一组分开加；与 l2norm 只差求和顺序的舍入）
 void unit16(float* x, int64_t D, float scale) {
-  v16 acc{};
-  for (int64_t i = 0; i < D; i += 16) {
-    const v16 v = load16(x + i);
-    acc += v * v;
-  }
-  float s = 0.0f;
-  for (int j = 0; j < 16; ++j) s += acc[j];
-  const float r = scale / std::sqrt(s / D + 1e-6f / D) / std::sqrt(float(D));
+  const float r = scale / std::sqrt(sum_squares(x, D) / D + 1e-6f / D) / std::sqrt(float(D));
   for (int64_t i = 0; i < D; ++i) x[i] *= r;
 }
 
@@ -306,17 +299,10 @@ void chunk_step(const float* beta, const float* g, int64_t n, float* Sh, float* 
   mul_rows(s.kt.data(), s.Cp, Dk, n, s.U.data(), Dv, Dv, Sh, Dv, true);
 }
 
-// 门控 RMSNorm 的一行（就地）：o ← w · rms(o) · silu(z)，同 gated_norm，平方和 16 个一组分开加、SiLU 用 exp16
+// 门控 RMSNorm 的一行（就地）：o ← w · rms(o) · silu(z)，同 gated_norm，平方和用 sum_squares、SiLU 用 exp16
 template <typename Z>
 void gate_row(const DeltaNet& p, float* o, const Z* z) {
-  v16 acc{};
-  for (int64_t j = 0; j < p.Dv; j += 16) {
-    const v16 v = load16(o + j);
-    acc += v * v;
-  }
-  float ss = 0.0f;
-  for (int j = 0; j < 16; ++j) ss += acc[j];
-  const float r = 1.0f / std::sqrt(ss / p.Dv + p.eps);
+  const float r = 1.0f / std::sqrt(sum_squares(o, p.Dv) / p.Dv + p.eps);
   for (int64_t j = 0; j < p.Dv; j += 16) {
     const v16 v = load16(o + j) * r * load16(p.norm_w + j) * silu16(load16(z + j));
     std::memcpy(o + j, &v, sizeof v);

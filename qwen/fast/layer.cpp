@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"  // exp_poly
+
 // 一个 DeltaNet 层的常量与形状：与 deltanet.cpp 的同一个定义（kernel.py 的 DeltaNetParams）
 struct DeltaNet {
   const float *conv_w, *neg_A, *dt_bias, *norm_w;  // 卷积核 [K, C]、−exp(A_log) [Hv]、dt_bias [Hv]、门控 RMSNorm 的权重 [Dv]
@@ -189,28 +191,6 @@ Rows normed(const float* x, int64_t M, int64_t D, const float* scale, float eps,
 void add_rows(const float* x, const Rows& y, int64_t n, float* out) {  // out = x + y.float()
   y.to_float(out, n);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] + out[i];
-}
-
-// e^x，|x| 夹在 87 以内：x = n·ln2 + r（ln2 分成两段，n·C1 是精确的），e^r 用 Cephes 的 expf 多项式，再乘 2^n（直接拼出指数位）。
-// 只有加、乘与位运算，没有分支：编译器把循环向量化，向量的部分与标量的尾巴是同一串运算，结果逐位相同（误差约 1 ulp）
-inline float exp_poly(float x) {
-  x = std::min(87.0f, std::max(-87.0f, x));
-  const float t = x * 1.44269504088896341f + 12582912.0f;  // 加 1.5·2^23：就近舍入到整数 n，n 在尾数的低位里
-  const float n = t - 12582912.0f;
-  int32_t bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t e = ((bits - 0x4B400000) + 127) << 23;  // 2^n 的位
-  float two_n;
-  std::memcpy(&two_n, &e, sizeof two_n);
-  return p * two_n;
 }
 
 // 一段 MLP 的激活：a = silu(g) · u（silu 先舍入成模型的 dtype，与 PyTorch 的 F.silu(g) * u 一样两次舍入）

@@ -10,22 +10,7 @@
 
 #include <omp.h>
 
-typedef float v16 __attribute__((vector_size(64)));  // 16 个 float32（AVX-512 一个寄存器；别的 CPU 上编译器拆开）
-
-// Σ x²：16 个一组分开加（16 条互不等待的加法链，可以向量化），最后 16 个部分和按固定的顺序加起来，再加上不满 16 个的尾巴
-inline float sum_squares(const float* x, int64_t D) {
-  v16 acc{};
-  int64_t i = 0;
-  for (; i + 16 <= D; i += 16) {
-    v16 v;
-    std::memcpy(&v, x + i, sizeof v);
-    acc += v * v;
-  }
-  float s = 0.0f;
-  for (int j = 0; j < 16; ++j) s += acc[j];
-  for (; i < D; ++i) s += x[i] * x[i];
-  return s;
-}
+#include "simd.h"  // sum_squares
 
 extern "C" void rms_norm(const float* x, int64_t rows, int64_t D, const float* scale, float eps, float* y) {
 #pragma omp parallel for schedule(static) if (rows * D >= 65536 && !omp_in_parallel())  // 预填充的几百行分给各个线程

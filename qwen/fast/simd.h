@@ -1,12 +1,14 @@
 // 附录 · 长的提示词（行多）的几个 C++ 内核共用的向量小工具：deltanet.cpp 的分块形式、attention.cpp 的预填充注意力。
 //
 // 16 个 float32 一个向量（GCC 的向量扩展：AVX-512 上是一个寄存器，AVX2 上编译器拆成两个，别的 CPU 上拆得更碎），
-// 一个 16 宽的 exp，和“几行乘一个矩阵”（mul_rows：4 行 × 64 列的累加器放在寄存器里，权重的一行读一次乘 4 行）。
+// 一个 exp（exp_poly，layer.cpp 的激活与路由也用它）与它的 16 宽版本，和“几行乘一个矩阵”（mul_rows：4 行 × 64 列的
+// 累加器放在寄存器里，权重的一行读一次乘 4 行）。
 // -ffp-contract=off（kernel.py）：乘加要 FMA 就明写（fma16）。不包含 <immintrin.h>：它有几万行，每个源文件编译时光读它
 // 就要 0.3 s，而第一次运行要等编译（第 14 章）。
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -28,18 +30,45 @@ inline v16 load16(const uint16_t* p) {  // 16 个 bfloat16：补上低 16 位的
   return (v16)(__builtin_convertvector(h, v16i) << 16);
 }
 
-// 长的提示词里 exp 要算上百万次（SiLU、softmax）：std::exp 一次一个，这里 16 个一起（与 layer.cpp 的 exp_poly 同一个
-// Cephes 的 expf：e^x = 2^n · e^r，n = round(x / ln 2)，e^r 用 6 阶多项式，误差在 float32 的一两个舍入之内）。只用于长的提示词，
-// 解码、验证草稿的路径不用它（那里每一步要与单独解码时逐位相同，用各自原来的 exp）
+// e^x，|x| 夹在 87 以内：x = n·ln2 + r（ln2 分成两段，n·C1 是精确的），e^r 用 Cephes 的 expf 多项式，再乘 2^n（直接拼出指数位）。
+// 只有加、乘与位运算，没有分支：编译器把循环向量化，向量的部分与标量的尾巴是同一串运算，结果逐位相同（误差约 1 ulp）
+inline float exp_poly(float x) {
+  x = std::min(87.0f, std::max(-87.0f, x));
+  const float t = x * 1.44269504088896341f + 12582912.0f;  // 加 1.5·2^23：就近舍入到整数 n，n 在尾数的低位里
+  const float n = t - 12582912.0f;
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t e = ((bits - 0x4B400000) + 127) << 23;  // 2^n 的位
+  float two_n;
+  std::memcpy(&two_n, &e, sizeof two_n);
+  return p * two_n;
+}
+
+// 16 个一起的 exp_poly（长的提示词里 SiLU、softmax 要算上百万次 exp）：定长的循环，编译器整个向量化，每个数的运算与
+// exp_poly 逐位相同
 inline v16 exp16(v16 x) {
-  x = x < -87.0f ? v16{} - 87.0f : x;
-  x = x > 88.0f ? v16{} + 88.0f : x;
-  const v16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // 加减 1.5·2²³：舍入到整数
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x − n·ln 2（ln 2 拆成两段，少一次舍入）
-  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f, p = p * r + 4.1665795894e-2f, p = p * r + 1.6666665459e-1f, p = p * r + 5.0000001201e-1f;
-  const v16 er = p * r * r + r + 1.0f;
-  return er * (v16)((__builtin_convertvector(n, v16i) + 127) << 23);  // 乘 2^n：n + 127 就是 float32 的指数位
+  v16 y;
+  for (int i = 0; i < 16; ++i) y[i] = exp_poly(x[i]);
+  return y;
+}
+
+// Σ x²：16 个一组分开加（16 条互不等待的加法链，可以向量化），最后 16 个部分和按固定的顺序加起来，再加上不满 16 个的尾巴
+inline float sum_squares(const float* x, int64_t D) {
+  v16 acc{};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) acc += load16(x + i) * load16(x + i);
+  float s = 0.0f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < D; ++i) s += x[i] * x[i];
+  return s;
 }
 
 inline v16 silu16(v16 x) { return x / (1.0f + exp16(-x)); }
