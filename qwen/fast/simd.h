@@ -1,4 +1,5 @@
-// 附录 · 长的提示词（行多）的几个 C++ 内核共用的向量小工具：deltanet.cpp 的分块形式、attention.cpp 的预填充注意力。
+// 附录 · 几个 C++ 源文件共用的向量小工具：deltanet.cpp 的分块形式、attention.cpp 的预填充注意力（mul_rows、exp16），
+// norm.cpp 与归一化（sum_squares），layer.cpp 的激活与路由（exp_poly）。
 //
 // 16 个 float32 一个向量（GCC 的向量扩展：AVX-512 上是一个寄存器，AVX2 上编译器拆成两个，别的 CPU 上拆得更碎），
 // 一个 exp（exp_poly，layer.cpp 的激活与路由也用它）与它的 16 宽版本，和“几行乘一个矩阵”（mul_rows：4 行 × 64 列的
