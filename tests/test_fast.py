@@ -730,6 +730,18 @@ def test_float32_model_keeps_bfloat16_blocks_exactly():
     assert torch.allclose(half(x), full(x), atol=1e-4)  # 40 行：float32 的块拼回普通布局交给 F.linear
 
 
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_a_layers_matrices_lie_one_after_another(widths08b, quantize):
+    """分块布局的矩阵放在加载它的 Kernel 的 Arena 里（arena.py）：一层的矩阵（int4 连同比例）在内存里一个挨一个，解码时
+    读的是一条连续的流；各是各的 storage（编译的图不把挨着的两个当成别名），也不与别的张量重叠。"""
+    model = load_model(widths08b[0], dtype=torch.bfloat16, quantize=quantize)  # 0.8B 的宽度：每个矩阵 1～15 MB
+    mats = [m for m in model.layers[0].modules() if isinstance(m, BlockedLinear)]
+    tensors = [m.blocks for m in mats] + ([m.scales for m in mats] if quantize == "int4" else [])
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert len(spans) >= 4 and all(0 <= b[0] - a[1] < 64 for a, b in zip(spans, spans[1:])), spans
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+
 def test_long_prefill_on_amx_reads_the_pairs_as_they_are(monkeypatch):
     """有 AMX 的 CPU（amx.cpp）：长的预填充直接乘一对一对存放的块，不拼回普通布局；结果与 F.linear 乘原矩阵只差在
     bfloat16 的舍入之内（两者都在 float32 里求和），行数不是 32 的倍数也对。块指令跑不了时（记成不能用）退回拼回 + F.linear。"""

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from ..fast.arena import huge_buffer
 from ..fast.experts import FastMoE
 from ..fast.linear import BlockedLinear, PackedLinear
 from ..moe import SparseMoE
@@ -13,9 +14,15 @@ PROMPT_LEN = 32  # 解码与投机解码用的提示词长度
 PROBE_GIB = 1.0  # 测带宽用的缓冲区：远大于缓存（L3 一般几十 MB）
 
 
+def probe_buffer() -> torch.Tensor:
+    """测带宽用的 PROBE_GIB GiB 的 float32（全是 1），与快路径的权重一样放在大页上（arena.py）：下限是这台机器顺序读得到的
+    最快，不因为测的那块是 4 KB 的页而偏低（差多少见 docs/perf-history.md）。"""
+    return huge_buffer(int(PROBE_GIB * 2**30)).view(torch.float32).fill_(1.0)
+
+
 def read_bandwidth(x: torch.Tensor | None = None, repeats: int = 5) -> float:
-    """内存读带宽（GB/s）：对一块远大于缓存的 float32 张量求和，取最快的一次。x 不给就临时建一块 PROBE_GIB 的。"""
-    x = torch.ones(int(PROBE_GIB * 2**30) // 4) if x is None else x
+    """内存读带宽（GB/s）：对一块远大于缓存的 float32 张量求和，取最快的一次。x 不给就临时建一块（probe_buffer）。"""
+    x = probe_buffer() if x is None else x
     best = min(timed(lambda: x.sum())[0] for _ in range(repeats))
     return x.numel() * 4 / best / 1e9
 

@@ -12,7 +12,7 @@ from ..mtp import speculate
 from ..sample import generate, stream
 from ..weights import load_config, load_weights
 from .oracle import OracleDrafter
-from .probe import PROMPT_LEN, PROBE_GIB, bytes_per_token, peak_rss_gb, prompt_ids, read_bandwidth, timed
+from .probe import PROMPT_LEN, bytes_per_token, peak_rss_gb, probe_buffer, prompt_ids, read_bandwidth, timed
 
 ACCEPTANCE = (0.5, 0.7, 0.9)
 DRAFTS = (1, 2, 3)
@@ -72,7 +72,7 @@ def plain_run(model, prompt, n):
 
 def decode_and_bandwidth(model, prompt, tokens) -> dict:
     """解码速度与带宽下限：每次解码前后各测一次带宽，下限用同一时刻的带宽（取前后大的那个，下限更紧）。"""
-    probe = torch.ones(int(PROBE_GIB * 2**30) // 4)
+    probe = probe_buffer()
     plain_run(model, prompt, tokens + 1)  # 预热
     reps = []
     for _ in range(3):

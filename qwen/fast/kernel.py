@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .arena import Arena
 from .records import read_record, record_file, write_record
 from .sizes import BLOCK, QGROUP
 
@@ -166,6 +167,7 @@ class Kernel:
         self.width, self.fma = lib.matvec_width(), bool(lib.matvec_fma())  # 编出来的向量宽度（float32 个数）、有没有 FMA
         self.vnni = bool(lib.matvec_vnni())  # int4 的整数点积用不用 VNNI（vpdpbusd）
         self.amx = False  # 长的预填充用不用 AMX（amx.cpp）：load_kernel 试过块指令在这台机器上能跑才打开
+        self.arena = Arena()  # 换好布局的矩阵一个挨一个地放在大页上（arena.py）：用这个 Kernel 加载的模型的权重
 
     @property
     def isa(self) -> str:
@@ -319,7 +321,7 @@ class Kernel:
         rows, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
         B = -(-rows // BLOCK)
         shape = (B, -(-n_in // 2), BLOCK, 2) if pairs else (B, n_in, BLOCK)
-        out = huge_pages(torch.empty(shape, dtype=torch.bfloat16 if pairs else dtype))
+        out = self.arena.empty(shape, torch.bfloat16 if pairs else dtype)
         out[-1, :, rows % BLOCK or BLOCK :] = 0  # 最后一块补的零行
         if pairs and n_in % 2:
             out[:, -1, :, 1] = 0
@@ -337,8 +339,8 @@ class Kernel:
         quantize_int4。每次只读 rows 行：矩阵可以是还在文件里的 FileRows。"""
         total, n_in = sum(p.shape[0] for p in parts), parts[0].shape[1]
         B, groups = -(-total // BLOCK), -(-n_in // QGROUP)
-        q = huge_pages(torch.empty(B, groups * QGROUP // 4, 2 * BLOCK, dtype=torch.uint8)).fill_(0x88)  # 补的行与输入：q = 0
-        scales = huge_pages(torch.empty(B, groups, BLOCK, dtype=torch.float16)).zero_()  # 大页要在第一次写之前申请
+        q = self.arena.empty((B, groups * QGROUP // 4, 2 * BLOCK), torch.uint8).fill_(0x88)  # 补的行与输入：q = 0
+        scales = self.arena.empty((B, groups, BLOCK), torch.float16).zero_()
         row0 = 0
         for p in parts:
             for i in range(0, p.shape[0], rows):
@@ -355,24 +357,6 @@ class Kernel:
         getattr(self.lib, f"quantize_int8_{NAMES[src.dtype]}")(src.data_ptr(), w.shape[0], w.shape[1], q.data_ptr(),
                                                                 scale.data_ptr())
         return q, scale
-
-
-HUGE_PAGE = 2 << 20  # Linux 的透明大页：2 MB
-MADV_HUGEPAGE = 14
-
-
-def huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """请 Linux 用 2 MB 的大页存放 t 里按 2 MB 对齐的那一段（要在第一次写之前），返回 t。matvec 顺序读整块权重：硬件预取
-    不必在每个 4 KB 的页边界停下，TLB 也少失手。透明大页设成 madvise（常见的默认）时要这样明说；别的系统上什么也不做。"""
-    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if end > start:
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
-    return t
 
 
 def readable(t: torch.Tensor) -> torch.Tensor:

@@ -64,12 +64,13 @@ def to_blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(-1, BLOCK, n_in).transpose(1, 2).contiguous()
 
 
-def to_quads(q: torch.Tensor) -> torch.Tensor:
+def to_quads(q: torch.Tensor, kernel) -> torch.Tensor:
     """int8 的 [out, in] → [⌈out/32⌉, ⌈in/32⌉·8, 32, 4]：一块 32 个输出，输入 4 个一份，第 b 块第 p 份的 [j, t] 是第 32b + j 个
-    输出、第 4p + t 个输入（matvec.cpp 的 Int8：一条 vpdpbusd 乘一份里 16 个输出的 4 个输入）。补的输出与输入是 0。"""
+    输出、第 4p + t 个输入（matvec.cpp 的 Int8：一条 vpdpbusd 乘一份里 16 个输出的 4 个输入）。补的输出与输入是 0。
+    放在 kernel 的 Arena 里（arena.py：与别的矩阵一个挨一个，在大页上）。"""
     out, n_in = q.shape
     q = F.pad(q, (0, -n_in % QGROUP, 0, -out % BLOCK))
-    quads = kernels.huge_pages(torch.empty(q.shape[0] // BLOCK, q.shape[1] // 4, BLOCK, 4, dtype=q.dtype))
+    quads = kernel.arena.empty((q.shape[0] // BLOCK, q.shape[1] // 4, BLOCK, 4), q.dtype)
     return quads.copy_(q.view(-1, BLOCK, q.shape[1] // 4, 4).transpose(1, 2))
 
 
@@ -221,7 +222,7 @@ class BlockedLinear(nn.Module):
             self.blocks, self.scales = quantize_int4(parts, kernel)
         elif quantize == "int8":
             q, scale = quantize_int8(parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts]), kernel)
-            self.blocks, self.scales = to_quads(q), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
+            self.blocks, self.scales = to_quads(q, kernel), F.pad(scale, (0, -len(scale) % BLOCK), value=1.0).view(-1, BLOCK)
         else:  # [B, in, 32]。float32 的模型、bfloat16 的检查点：块仍存 bfloat16（转成 float32 是精确的，内核读时才转），
             # 结果与存 float32 逐位相同，读的字节少一半
             # bfloat16 的模型、CPU 有 AVX-512 BF16：两个输入一对存放，vdpbf16ps 乘（输入本来就是 bfloat16）
