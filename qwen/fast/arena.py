@@ -30,8 +30,8 @@ class Chunk:
 
     def __init__(self, size: int):
         size = -(-max(size, 1) // HUGE_PAGE) * HUGE_PAGE
-        private = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)  # 私有的：共享的匿名内存（默认）不用透明大页
-        self.map = mmap.mmap(-1, size + HUGE_PAGE, flags=private)
+        private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # 私有的：共享的匿名内存（默认）不用透明大页
+        self.map = mmap.mmap(-1, size + HUGE_PAGE, **private)  # fileno −1：匿名的（Unix 上 Python 自己加 MAP_ANONYMOUS）
         self.start, self.size = -torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE, size
         if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux；别的系统上只是一段普通的内存
             self.map.madvise(mmap.MADV_HUGEPAGE, self.start, size)
